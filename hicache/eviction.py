@@ -1,0 +1,112 @@
+"""Eviction policies, chosen by name through a registry.
+
+A policy orders evictable nodes by a sort key: the smallest key is evicted first. Every key ends
+with `(last_access, node_id)`, so ties fall back to LRU and the order is total and deterministic.
+Access times are a logical clock (`TreeNode.last_access`), not wall time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hicache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hicache.radix import TreeNode
+
+SortKey = tuple[int, ...]
+
+
+class EvictionPolicy(ABC):
+    name: ClassVar[str]
+    # Config keys this policy accepts; anything else is a start-up error.
+    config_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        config = dict(config or {})
+        unknown = set(config) - self.config_keys
+        if unknown:
+            allowed = ", ".join(sorted(self.config_keys)) or "none"
+            raise ConfigError(
+                f"unknown {self.name} eviction config keys {sorted(unknown)}; allowed: {allowed}"
+            )
+        self.config = config
+
+    @abstractmethod
+    def key(self, node: TreeNode) -> SortKey:
+        """Sort key of an evictable node; smallest goes first."""
+
+
+class LRU(EvictionPolicy):
+    name = "lru"
+
+    def key(self, node: TreeNode) -> SortKey:
+        return (node.last_access, node.id)
+
+
+class MRU(EvictionPolicy):
+    name = "mru"
+
+    def key(self, node: TreeNode) -> SortKey:
+        return (-node.last_access, node.id)
+
+
+class FIFO(EvictionPolicy):
+    name = "fifo"
+
+    def key(self, node: TreeNode) -> SortKey:
+        return (node.created, node.last_access, node.id)
+
+
+class LFU(EvictionPolicy):
+    name = "lfu"
+
+    def key(self, node: TreeNode) -> SortKey:
+        return (node.hit_count, node.last_access, node.id)
+
+
+class Priority(EvictionPolicy):
+    """Lowest `TreeNode.priority` first (set by the caller, e.g. a request's priority)."""
+
+    name = "priority"
+
+    def key(self, node: TreeNode) -> SortKey:
+        return (node.priority, node.last_access, node.id)
+
+
+class SLRU(EvictionPolicy):
+    """Segmented LRU: nodes hit fewer than `protected_threshold` times (probationary) go before
+    any protected node; LRU within each segment."""
+
+    name = "slru"
+    config_keys = frozenset({"protected_threshold"})
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        t = self.config.get("protected_threshold", 2)
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+            raise ConfigError(f"slru protected_threshold must be an int >= 1, got {t!r}")
+        self.protected_threshold = t
+
+    def key(self, node: TreeNode) -> SortKey:
+        protected = 1 if node.hit_count >= self.protected_threshold else 0
+        return (protected, node.last_access, node.id)
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRU, LFU, SLRU, Priority, FIFO, MRU)
+}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> None:
+    EVICTION_POLICIES[cls.name] = cls
+
+
+def make_policy(name: str, config: Mapping[str, Any] | None = None) -> EvictionPolicy:
+    if name not in EVICTION_POLICIES:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
+        )
+    return EVICTION_POLICIES[name](config)

@@ -1,0 +1,63 @@
+"""Counters owned by the core. Exporters (Prometheus, JSON) live outside hicache.
+
+Every field counts tokens unless its name says pages, bytes or seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    # Requests admitted through `HiRadixCache.acquire` and their prompt tokens.
+    requests: int = 0
+    input_tokens: int = 0
+    # Leading prompt tokens found, by the tier they came from at admission.
+    device_hit_tokens: int = 0  # already on the device (L1)
+    host_hit_tokens: int = 0  # loaded back from host memory (L2)
+    storage_hit_tokens: int = 0  # prefetched from L3 for this request, then loaded back
+    # Requests with any hit, by the deepest tier that contributed.
+    device_hit_requests: int = 0
+    host_hit_requests: int = 0
+    storage_hit_requests: int = 0
+    # Movement between tiers.
+    evicted_tokens: int = 0  # device copies dropped (L1 eviction)
+    evicted_host_tokens: int = 0  # host copies dropped (L2 eviction)
+    backup_tokens: int = 0  # device -> host writes completed
+    backup_skipped_tokens: int = 0  # writes not done for lack of host space
+    load_back_tokens: int = 0  # host -> device
+    load_back_skipped_tokens: int = 0  # host hits not loaded (under threshold / no device room)
+    # L3.
+    prefetch_started: int = 0  # prefetch operations issued
+    prefetch_skipped: int = 0  # not issued: below threshold, nothing in L3, or no host room
+    prefetch_pages: int = 0  # pages read from L3 into host memory
+    prefetch_tokens: int = 0
+    prefetch_revoked_pages: int = 0  # fetched or reserved pages dropped (request gone, duplicates)
+    prefetch_bytes: int = 0
+    prefetch_seconds: float = 0.0  # wall time spent in storage reads
+    storage_backup_pages: int = 0  # pages written to L3
+    storage_backup_skipped_pages: int = 0  # already present in L3
+    storage_backup_bytes: int = 0
+    storage_backup_seconds: float = 0.0
+    storage_failed_pages: int = 0  # writes the backend refused
+    storage_errors: int = 0  # backend operations that raised
+    corrupt_pages: int = 0  # records that failed validation on read
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens."""
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(asdict(self))
+        d["hit_tokens"] = self.hit_tokens
+        d["hit_rate"] = self.hit_rate
+        return d
+
+    def copy(self) -> CacheStats:
+        return CacheStats(**asdict(self))

@@ -1,0 +1,52 @@
+"""How the storage contract suite reaches every backend.
+
+Each backend ships a module `tests/storage_backends/harness_<name>.py` that defines
+`HARNESS = Harness(...)`. `start(tmp_dir)` is a context manager that starts the real component
+the backend talks to (a redis-server, a hicache-server, a directory...) and yields a factory:
+each call returns a *new* backend object connected to that same store, standing for another
+engine instance. The suite (`test_contract.py`) runs every test against every harness found.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.storage import StorageBackend, StorageConfig
+
+BackendFactory = Callable[..., StorageBackend]
+
+
+@dataclass
+class Harness:
+    name: str
+    # context manager factory: start(tmp_dir) -> yields a BackendFactory
+    start: Callable[[Path], AbstractContextManager[BackendFactory]]
+    marks: list[Any] = field(default_factory=list)
+    # Whether a corrupt record can be deleted by the backend (all of ours can).
+    deletes_corrupt: bool = True
+    # A function(factory, key, raw_bytes) that stores raw bytes under `key`, bypassing nothing
+    # but hicache's own encoding; used to plant corrupt records. None: the suite uses batch_set.
+    put_raw: Callable[[BackendFactory, str, bytes], None] | None = None
+
+
+def discover() -> list[Harness]:
+    """Every `HARNESS` defined in a `harness_*` module beside this one, sorted by name."""
+    pkg = importlib.import_module("tests.storage_backends")
+    found: list[Harness] = []
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name.startswith("harness_"):
+            m = importlib.import_module(f"tests.storage_backends.{mod.name}")
+            found.append(m.HARNESS)
+    return sorted(found, key=lambda h: h.name)
+
+
+def config(extra: dict[str, Any] | None = None, record_bytes: int = 0) -> StorageConfig:
+    return StorageConfig(extra=extra or {}, namespace="00" * 32, record_bytes=record_bytes)
+
+
