@@ -262,7 +262,8 @@ class StorageBackend(ABC):
     - `batch_exists(keys)` returns the length of the leading run of `keys` present.
     - `batch_get(keys, out)` fills `out[i]` with the record of `keys[i]` and returns, per key,
       whether a *valid* record was delivered. A missing key is False; a record that fails
-      `verify_record` (or has another length than `out[i]`) is False too, counted in
+      `verify_record` (or has another length than `out[i]`, or names another namespace than
+      `config.namespace` when that is set) is False too, counted in
       `stats().corrupt_pages` and deleted. The contents of `out[i]` are unspecified when False.
     - `batch_set(keys, values)` stores each record all-or-nothing; returns per key whether it
       is now stored. Setting an existing key again is harmless (records of a key are identical).
@@ -277,6 +278,8 @@ class StorageBackend(ABC):
         self._stats = BackendStats()
         self._stats_lock = threading.Lock()
         self._warned_corrupt = False
+        # Records whose header names another namespace are rejected when ours is known.
+        self._namespace = bytes.fromhex(config.namespace) if config.namespace else b""
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -320,7 +323,9 @@ class StorageBackend(ABC):
             try:
                 if n != len(memoryview(buf).cast("B")):
                     raise StorageCorrupt(f"stored record is {n} bytes, expected {len(buf)}")
-                verify_record(buf, key)
+                header = verify_record(buf, key)
+                if self._namespace and header.namespace != self._namespace:
+                    raise StorageCorrupt("record is from another namespace")
             except StorageCorrupt as e:
                 bad.append(key)
                 ok.append(False)
