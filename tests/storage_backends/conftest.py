@@ -1,0 +1,97 @@
+"""Fixtures of the storage tests: started harnesses (once per session), record factories."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import pytest
+
+from hicache.keys import key_str, page_keys
+from hicache.storage import PageCodec, StorageBackend
+from tests.storage_backends.harness import BackendFactory, Harness
+
+# The namespace of tests.storage_backends.harness.config() ("00" * 32).
+NAMESPACE = bytes(32)
+OTHER_NAMESPACE = b"\x01" * 32
+
+
+def make_codec(payload_bytes: int, namespace: bytes = NAMESPACE) -> PageCodec:
+    """A codec of raw uint8 pages of `payload_bytes` bytes."""
+    return PageCodec(
+        namespace=namespace,
+        dtype="uint8",
+        shape=(payload_bytes,),
+        layout="raw",
+        tokens_per_page=16,
+        itemsize=1,
+    )
+
+
+def make_keys(n: int, salt: int = 0, page_size: int = 4) -> list[str]:
+    """`n` chained 64-hex page keys (distinct for distinct `salt`)."""
+    tokens = [(salt * 7919 + i) % 50000 for i in range(n * page_size)]
+    return [key_str(d) for d in page_keys(tokens, page_size, NAMESPACE)]
+
+
+def make_records(codec: PageCodec, keys: list[str], seed: int = 0) -> list[bytearray]:
+    """One valid record per key with a payload that differs per key and per seed."""
+    out: list[bytearray] = []
+    for i, k in enumerate(keys):
+        pattern = bytes(((seed * 31 + i * 7 + j) % 251) for j in range(251))
+        reps = codec.payload_bytes // 251 + 1
+        out.append(codec.encode(k, (pattern * reps)[: codec.payload_bytes]))
+    return out
+
+
+def buffers(n: int, size: int) -> list[memoryview]:
+    """`n` zeroed, writable views of `size` bytes carved out of one block (like a host pool)."""
+    block = memoryview(bytearray(n * size + 64))[64:]
+    return [block[i * size : (i + 1) * size] for i in range(n)]
+
+
+class HarnessPool:
+    """Starts each harness at most once per session; stops them all at the end."""
+
+    def __init__(self, stack: ExitStack, tmp_factory: pytest.TempPathFactory) -> None:
+        self._stack = stack
+        self._tmp = tmp_factory
+        self._started: dict[str, BackendFactory] = {}
+
+    def factory(self, h: Harness) -> BackendFactory:
+        if h.name not in self._started:
+            tmp = self._tmp.mktemp(f"harness-{h.name}")
+            self._started[h.name] = self._stack.enter_context(h.start(tmp))
+        return self._started[h.name]
+
+
+@pytest.fixture(scope="session")
+def harness_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessPool]:
+    with ExitStack() as stack:
+        yield HarnessPool(stack, tmp_path_factory)
+
+
+@dataclass
+class Store:
+    """One contract test's view of a harness: its factory and the objects it made."""
+
+    harness: Harness
+    factory: BackendFactory
+    objects: list[StorageBackend] = field(default_factory=list)
+
+    def new(self, **extra: object) -> StorageBackend:
+        b = self.factory(**extra)
+        self.objects.append(b)
+        return b
+
+    def put_raw(self, key: str, raw: bytes) -> None:
+        if self.harness.put_raw is not None:
+            self.harness.put_raw(self.factory, key, raw)
+        else:
+            b = self.new()
+            assert b.batch_set([key], [memoryview(raw)]) == [True]
+
+    def close(self) -> None:
+        for b in self.objects:
+            b.close()
