@@ -1,0 +1,540 @@
+"""`hf3fs`: pages on a 3FS mount (or any POSIX file system standing in for one).
+
+Layout under `{mount_path}/{prefix}/`:
+
+- `rank{R}-{S}.data`: one preallocated file per tensor-parallel rank `R` and slot size `S`
+  (bytes), cut into `file_size // S` fixed slots; one page record per slot.
+- `index.sqlite`: the persistent key -> (file, slot, length) index shared by every process on
+  the mount, with the free-slot list, a `pending` table of slots being written, and an access
+  time per page for LRU eviction.
+
+Crash safety: a slot is taken from the free list (or by evicting the least recently used page
+of that file) and recorded as *pending* in one transaction; the record is then written with
+`os.pwrite`; only after the write completes is the key published in `pages` in a second
+transaction. A process that dies mid-write leaves a pending row, which the next process to open
+the index on the same host reclaims (its pid is gone). A reader never sees a half-written slot
+under a key, and re-checks the slot's write sequence number after reading, so a page evicted and
+overwritten by another process while it was being read is a plain miss, never a corrupt one.
+
+Sharing: every process opens the same `index.sqlite`; SQLite's own file locks serialise the
+writers (`BEGIN IMMEDIATE`), so two engines on one mount see each other's pages. This needs a
+file system with working POSIX locks (local disks, 3FS FUSE on one host). Reads and writes go
+through POSIX `pread`/`pwrite` into/out of the caller's buffers (no intermediate copy), in
+`numjobs` parallel threads; the 3FS usrbio path is used when `hf3fs_fuse` is importable (see
+`_Usrbio`; it is not testable without a 3FS cluster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hicache.errors import ConfigError, StorageError
+from hicache.storage import BackendStats, StorageBackend, StorageConfig
+from storage_backends.common import as_bool, byte_view, check_known_keys, leading_run
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "HICACHE_HF3FS_CONFIG_PATH"
+KNOWN_KEYS = (
+    "mount_path",
+    "file_size",
+    "numjobs",
+    "slot_bytes",
+    "prefix",
+    "use_usrbio",
+    "fsync",
+    "entries",  # accepted for SGLang config compatibility (usrbio ring size)
+)
+DEFAULT_FILE_SIZE = 1 << 30
+DEFAULT_SLOT_BYTES = (1 << 20) + 4096
+_SQL_CHUNK = 500  # keys per `IN (...)` query (SQLite's variable limit is 32766)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (file TEXT PRIMARY KEY, slot_bytes INTEGER, nslots INTEGER,
+                                  hwm INTEGER);
+CREATE TABLE IF NOT EXISTS pages (key TEXT PRIMARY KEY, file TEXT, slot INTEGER,
+                                  length INTEGER, seq INTEGER, atime INTEGER);
+CREATE INDEX IF NOT EXISTS pages_lru ON pages (file, atime);
+CREATE TABLE IF NOT EXISTS free (file TEXT, slot INTEGER, PRIMARY KEY (file, slot));
+CREATE TABLE IF NOT EXISTS pending (file TEXT, slot INTEGER, host TEXT, pid INTEGER,
+                                    PRIMARY KEY (file, slot));
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER);
+"""
+
+
+def load_config(config: StorageConfig) -> dict[str, Any]:
+    """Extra config if it names a mount, else the JSON file at `HICACHE_HF3FS_CONFIG_PATH`."""
+    extra = dict(config.extra)
+    if "mount_path" not in extra and os.environ.get(CONFIG_ENV):
+        path = os.environ[CONFIG_ENV]
+        try:
+            extra = {**json.loads(Path(path).read_text()), **extra}
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"hf3fs: cannot read {CONFIG_ENV}={path}: {e}") from e
+    if not extra.get("mount_path"):
+        raise ConfigError(f"hf3fs: set extra config 'mount_path' or {CONFIG_ENV}")
+    return extra
+
+
+def _chunks(items: Sequence[str], n: int = _SQL_CHUNK) -> list[Sequence[str]]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+class _Usrbio:
+    """3FS user-space ring I/O (`hf3fs_fuse.io`), used instead of pread/pwrite when present.
+
+    Records are staged through one shared-memory iovec registered with the 3FS FUSE process
+    (zero-copy between this process and FUSE; one memcpy from/to the caller's buffer). Cannot be
+    exercised without a 3FS cluster: `HF3FSBackend` falls back to POSIX I/O on any error here.
+    """
+
+    def __init__(self, mount: str, slot_bytes: int, entries: int) -> None:
+        from multiprocessing.shared_memory import SharedMemory
+
+        from hf3fs_fuse import io as h3io  # type: ignore[import-not-found]
+
+        self._io = h3io
+        self._entries = entries
+        self._slot = slot_bytes
+        self._shm = SharedMemory(size=slot_bytes * entries, create=True)
+        self._iov = h3io.make_iovec(self._shm, mount, 0, -1)
+        self._shm.unlink()
+        self._rd = h3io.make_ioring(mount, entries, True, 0)
+        self._wr = h3io.make_ioring(mount, entries, False, 0)
+        self._lock = threading.Lock()
+        self._fds: set[int] = set()
+
+    def register(self, fd: int) -> None:
+        if fd not in self._fds:
+            self._io.register_fd(fd)
+            self._fds.add(fd)
+
+    def run(self, ios: list[tuple[int, int, memoryview]], read: bool) -> list[int]:
+        """(fd, offset, buffer) per I/O, at most `entries` of them; returns bytes moved each."""
+        ring = self._rd if read else self._wr
+        with self._lock:
+            for i, (fd, off, buf) in enumerate(ios):
+                self.register(fd)
+                part = self._iov[i * self._slot : i * self._slot + len(buf)]
+                if not read:
+                    part[:] = buf
+                ring.prepare(part, read, fd, off)
+            results = ring.submit().wait(min_results=len(ios))
+            done = [int(r.result) for r in results]
+            if read:
+                for i, (_fd, _off, buf) in enumerate(ios):
+                    if done[i] == len(buf):
+                        buf[:] = self._iov[i * self._slot : i * self._slot + len(buf)]
+        return done
+
+    def close(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(Exception):  # best effort at shutdown
+                self._io.deregister_fd(fd)
+        self._fds.clear()
+
+
+class HF3FSBackend(StorageBackend):
+    """Fixed-slot page files on a 3FS mount with a shared SQLite index.
+
+    Extra config (or the JSON file at `HICACHE_HF3FS_CONFIG_PATH`):
+    `mount_path` (required), `file_size` (bytes per rank file, default 1 GiB), `numjobs`
+    (parallel I/O threads, default 4), `slot_bytes` (default `config.record_bytes`, else
+    1 MiB + 4 KiB), `prefix` (sub-directory, default "hicache"), `use_usrbio` ("auto"), `fsync`
+    (fdatasync each written record before publishing it, default false), `entries` (usrbio ring
+    size, default 64).
+    """
+
+    name: ClassVar[str] = "hf3fs"
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        cfg = load_config(config)
+        check_known_keys(StorageConfig(extra=cfg), KNOWN_KEYS, self.name)
+        try:
+            self.file_size = int(cfg.get("file_size", DEFAULT_FILE_SIZE))
+            self.numjobs = int(cfg.get("numjobs", 4))
+            default_slot = config.record_bytes or DEFAULT_SLOT_BYTES
+            self.slot_bytes = int(cfg.get("slot_bytes", default_slot))
+            entries = int(cfg.get("entries", 64))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"hf3fs: bad numeric setting: {e}") from e
+        self.fsync = as_bool(cfg.get("fsync", False), "fsync")
+        if self.slot_bytes <= 0 or self.file_size < self.slot_bytes or self.numjobs < 1:
+            raise ConfigError(
+                f"hf3fs: need 0 < slot_bytes <= file_size and numjobs >= 1 (slot_bytes="
+                f"{self.slot_bytes}, file_size={self.file_size}, numjobs={self.numjobs})"
+            )
+        self.mount = str(cfg["mount_path"])
+        self.root = Path(self.mount) / str(cfg.get("prefix", "hicache"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.nslots = self.file_size // self.slot_bytes
+        self.file = f"rank{config.tp_rank}-{self.slot_bytes}.data"
+        self._db_path = str(self.root / "index.sqlite")
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._closed = False
+        self._host = socket.gethostname()
+        self._pool = ThreadPoolExecutor(self.numjobs, thread_name_prefix="hf3fs-io")
+        self._prepare_file()
+        self._usrbio: _Usrbio | None = None
+        use_usrbio = str(cfg.get("use_usrbio", "auto")).lower()
+        if use_usrbio not in ("false", "0", "no", "off"):
+            try:
+                self._usrbio = _Usrbio(self.mount, self.slot_bytes, entries)
+                logger.info("hf3fs: usrbio I/O enabled on %s", self.mount)
+            except Exception as e:  # noqa: BLE001 - ImportError off 3FS, anything on a bad mount
+                if use_usrbio in ("true", "1", "yes", "on"):
+                    raise ConfigError(f"hf3fs: use_usrbio requested but unavailable: {e}") from e
+                logger.info("hf3fs: usrbio unavailable (%s); using POSIX pread/pwrite", e)
+        logger.info(
+            "hf3fs: %s, %d slots of %d bytes in %s", self.root, self.nslots, self.slot_bytes,
+            self.file,
+        )
+
+    # -- index and files -------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._closed:
+                raise StorageError("hf3fs: backend is closed")
+            try:
+                conn = sqlite3.connect(
+                    self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
+                )
+                conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as e:
+                raise StorageError(f"hf3fs: cannot open index {self._db_path}: {e}") from e
+            self._local.conn = conn
+            with self._fd_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _write_txn(self, fn: Any) -> Any:
+        """Run `fn(conn)` inside `BEGIN IMMEDIATE` (the index's cross-process write lock)."""
+        conn = self._db()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._count(errors=1)
+            raise StorageError(f"hf3fs: index update failed: {e}") from e
+        return result
+
+    def _prepare_file(self) -> None:
+        conn = self._db()
+        conn.executescript(_SCHEMA)
+        path = self.root / self.file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size < self.file_size:
+                try:
+                    os.posix_fallocate(fd, 0, self.file_size)
+                except OSError:  # file systems without fallocate: a sparse file
+                    os.ftruncate(fd, self.file_size)
+        finally:
+            os.close(fd)
+
+        def setup(c: sqlite3.Connection) -> None:
+            c.execute(
+                "INSERT OR IGNORE INTO files VALUES (?, ?, ?, 0)",
+                (self.file, self.slot_bytes, self.nslots),
+            )
+            # Reclaim slots whose writer (on this host) died before publishing them.
+            rows = c.execute(
+                "SELECT file, slot, pid FROM pending WHERE host = ?", (self._host,)
+            ).fetchall()
+            for file, slot, pid in rows:
+                if not _pid_alive(pid):
+                    c.execute("DELETE FROM pending WHERE file = ? AND slot = ?", (file, slot))
+                    c.execute("INSERT OR IGNORE INTO free VALUES (?, ?)", (file, slot))
+
+        self._write_txn(setup)
+
+    def _fd(self, file: str) -> int:
+        with self._fd_lock:
+            if self._closed:
+                raise StorageError("hf3fs: backend is closed")
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = os.open(self.root / file, os.O_RDWR)
+                self._fds[file] = fd
+            return fd
+
+    def _next_seq(self, c: sqlite3.Connection, n: int) -> int:
+        c.execute("INSERT OR IGNORE INTO counters VALUES ('seq', 0)")
+        c.execute("UPDATE counters SET value = value + ? WHERE name = 'seq'", (n,))
+        (last,) = c.execute("SELECT value FROM counters WHERE name = 'seq'").fetchone()
+        return int(last) - n + 1
+
+    # -- I/O -------------------------------------------------------------------------------
+
+    def _io(self, ios: list[tuple[str, int, memoryview]], read: bool) -> list[int]:
+        """(file, slot, buffer) per page: bytes moved per page (-1 on an OS error)."""
+        if not ios:
+            return []
+        if self._usrbio is not None:
+            try:
+                out: list[int] = []
+                step = self._usrbio._entries
+                for i in range(0, len(ios), step):
+                    part = [(self._fd(f), s * self.slot_bytes, b) for f, s, b in ios[i : i + step]]
+                    out.extend(self._usrbio.run(part, read))
+                return out
+            except Exception as e:  # noqa: BLE001 - never lose a page to the fast path
+                logger.warning("hf3fs: usrbio failed (%s); falling back to POSIX I/O", e)
+                self._usrbio = None
+
+        def one(item: tuple[str, int, memoryview]) -> int:
+            file, slot, buf = item
+            fd = self._fd(file)
+            off = slot * self.slot_bytes
+            try:
+                if read:
+                    return os.preadv(fd, [buf], off)
+                n = os.pwrite(fd, buf, off)
+                if self.fsync:
+                    os.fdatasync(fd)
+                return n
+            except OSError as e:
+                logger.warning("hf3fs: %s of %s slot %d failed: %s",
+                               "read" if read else "write", file, slot, e)
+                return -1
+
+        if len(ios) == 1 or self.numjobs == 1:
+            return [one(x) for x in ios]
+        return list(self._pool.map(one, ios))
+
+    # -- StorageBackend --------------------------------------------------------------------
+
+    def _lookup(self, keys: Sequence[str], cols: str) -> dict[str, tuple[Any, ...]]:
+        conn = self._db()
+        found: dict[str, tuple[Any, ...]] = {}
+        try:
+            for part in _chunks(keys):
+                q = f"SELECT key, {cols} FROM pages WHERE key IN ({','.join('?' * len(part))})"
+                for row in conn.execute(q, list(part)):
+                    found[row[0]] = tuple(row[1:])
+        except sqlite3.Error as e:
+            self._count(errors=1)
+            raise StorageError(f"hf3fs: index lookup failed: {e}") from e
+        return found
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        self._count(exists_calls=1)
+        if not keys:
+            return 0
+        present = self._lookup(keys, "slot")
+        return leading_run([k in present for k in keys])
+
+    def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        where = self._lookup(keys, "file, slot, length, seq")
+        result = [-1] * len(keys)
+        ios: list[tuple[str, int, memoryview]] = []
+        idx: list[int] = []
+        for i, (k, buf) in enumerate(zip(keys, out)):
+            loc = where.get(k)
+            if loc is None:
+                continue
+            file, slot, length, _seq = loc
+            dst = byte_view(buf)
+            if length != len(dst):
+                result[i] = int(length)  # a size mismatch: the base class drops it as corrupt
+                continue
+            ios.append((file, slot, dst))
+            idx.append(i)
+        moved = self._io(ios, read=True)
+        # A slot evicted and rewritten by another process while we read it is a plain miss.
+        again = self._lookup([keys[i] for i in idx], "file, slot, length, seq")
+        hits: list[str] = []
+        for i, n in zip(idx, moved):
+            k = keys[i]
+            if again.get(k) != where[k] or n != where[k][2]:
+                if n < 0:
+                    self._count(errors=1)
+                continue
+            result[i] = n
+            hits.append(k)
+        if hits:
+            now = time.time_ns()
+
+            def touch(c: sqlite3.Connection) -> None:
+                for part in _chunks(hits):
+                    c.execute(
+                        f"UPDATE pages SET atime = ? WHERE key IN ({','.join('?' * len(part))})",
+                        [now, *part],
+                    )
+
+            self._write_txn(touch)
+        return result
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        views = [byte_view(v) for v in values]
+        ok = [False] * len(keys)
+        todo: list[int] = []
+        seen: set[str] = set()
+        for i, (k, v) in enumerate(zip(keys, views)):
+            if len(v) <= self.slot_bytes and k not in seen:
+                todo.append(i)
+                seen.add(k)
+        present = self._lookup([keys[i] for i in todo], "slot")
+        for i in list(todo):
+            if keys[i] in present:  # records of a key are identical: nothing to write
+                ok[i] = True
+        todo = [i for i in todo if keys[i] not in present]
+        evicted = 0
+
+        def reserve(c: sqlite3.Connection) -> list[int]:
+            nonlocal evicted
+            slots: list[int] = []
+            need = len(todo)
+            rows = c.execute(
+                "SELECT slot FROM free WHERE file = ? LIMIT ?", (self.file, need)
+            ).fetchall()
+            for (s,) in rows:
+                c.execute("DELETE FROM free WHERE file = ? AND slot = ?", (self.file, s))
+                slots.append(s)
+            if len(slots) < need:
+                (hwm,) = c.execute(
+                    "SELECT hwm FROM files WHERE file = ?", (self.file,)
+                ).fetchone()
+                fresh = min(need - len(slots), self.nslots - hwm)
+                slots.extend(range(hwm, hwm + fresh))
+                c.execute("UPDATE files SET hwm = ? WHERE file = ?", (hwm + fresh, self.file))
+            if len(slots) < need:  # full: evict the least recently used pages of this file
+                rows = c.execute(
+                    "SELECT key, slot FROM pages WHERE file = ? ORDER BY atime LIMIT ?",
+                    (self.file, need - len(slots)),
+                ).fetchall()
+                for key, s in rows:
+                    c.execute("DELETE FROM pages WHERE key = ?", (key,))
+                    slots.append(s)
+                evicted = len(rows)
+            for s in slots:
+                c.execute(
+                    "INSERT INTO pending VALUES (?, ?, ?, ?)", (self.file, s, self._host,
+                                                               os.getpid())
+                )
+            return slots
+
+        slots = self._write_txn(reserve) if todo else []
+        # Fewer slots than pages only when every slot is pending elsewhere: those pages fail.
+        placed = list(zip(todo, slots))
+        moved = self._io([(self.file, s, views[i]) for i, s in placed], read=False)
+
+        def publish(c: sqlite3.Connection) -> None:
+            seq = self._next_seq(c, len(placed))
+            now = time.time_ns()
+            for j, ((i, s), n) in enumerate(zip(placed, moved)):
+                c.execute("DELETE FROM pending WHERE file = ? AND slot = ?", (self.file, s))
+                stored = False
+                if n == len(views[i]):
+                    cur = c.execute(
+                        "INSERT OR IGNORE INTO pages VALUES (?, ?, ?, ?, ?, ?)",
+                        (keys[i], self.file, s, n, seq + j, now),
+                    )
+                    stored = cur.rowcount == 1
+                    ok[i] = True  # stored now, or by another process meanwhile
+                if not stored:
+                    c.execute("INSERT OR IGNORE INTO free VALUES (?, ?)", (self.file, s))
+
+        if placed:
+            self._write_txn(publish)
+        # Duplicates of a key within the batch share the first one's outcome.
+        first = {keys[i]: ok[i] for i in range(len(keys)) if keys[i] in seen and ok[i]}
+        for i, k in enumerate(keys):
+            if not ok[i] and first.get(k):
+                ok[i] = True
+        written = sum(len(views[i]) for (i, _s), n in zip(placed, moved) if n == len(views[i]))
+        self._count(
+            set_pages=len(keys),
+            set_failures=ok.count(False),
+            bytes_written=written,
+            evicted_pages=evicted,
+            errors=sum(1 for n in moved if n < 0),
+        )
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        def drop(c: sqlite3.Connection) -> int:
+            n = 0
+            for part in _chunks(keys):
+                marks = ",".join("?" * len(part))
+                rows = c.execute(
+                    f"SELECT file, slot FROM pages WHERE key IN ({marks})", list(part)
+                ).fetchall()
+                c.execute(f"DELETE FROM pages WHERE key IN ({marks})", list(part))
+                c.executemany("INSERT OR IGNORE INTO free VALUES (?, ?)", rows)
+                n += len(rows)
+            return n
+
+        self._count(deleted_pages=self._write_txn(drop))
+
+    def clear(self) -> None:
+        def drop_all(c: sqlite3.Connection) -> None:
+            c.execute("INSERT OR IGNORE INTO free SELECT file, slot FROM pages")
+            c.execute("DELETE FROM pages")
+
+        self._write_txn(drop_all)
+
+    def stats(self) -> BackendStats:
+        try:
+            pages, nbytes = self._db().execute(
+                "SELECT COUNT(*), COALESCE(SUM(length), 0) FROM pages"
+            ).fetchone()
+            self._set_gauge(stored_pages=int(pages), stored_bytes=int(nbytes))
+        except sqlite3.Error as e:
+            logger.debug("hf3fs: stats query failed: %s", e)
+        return super().stats()
+
+    def close(self) -> None:
+        with self._fd_lock:
+            if self._closed:
+                return
+            self._closed = True
+            fds = list(self._fds.values())
+            self._fds.clear()
+        self._pool.shutdown(wait=True)
+        if self._usrbio is not None:
+            self._usrbio.close()
+        for fd in fds:
+            os.close(fd)
+        with self._fd_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
