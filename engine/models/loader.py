@@ -1,0 +1,105 @@
+"""Load a Hugging Face checkpoint directory: `config.json` + safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM, rope_inv_freq
+from hicache.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors that carry no weights of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the shard index, else every
+    `*.safetensors` in the directory (sorted)."""
+    root = Path(path)
+    index = root / INDEX_FILE
+    if index.is_file():
+        wmap = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({root / f for f in wmap.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no safetensors weights in {root}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint shards missing: {', '.join(missing)}")
+    return files
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """A hex digest of the checkpoint's config.json bytes and its weight files' names and sizes.
+
+    Cheap (no weight bytes are read) and equal for two copies of the same checkpoint, which is
+    what lets engines on different machines share L3 pages.
+    """
+    root = Path(path)
+    h = hashlib.sha256(b"hicache/model/v1\0")
+    h.update((root / "config.json").read_bytes())
+    for f in weight_files(root):
+        h.update(f"\0{f.name}\0{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    context_length: int | None = None,
+) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, context_length)
+    model = model.to_empty(device=device)
+    # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
+    model.model.rotary_emb.inv_freq = rope_inv_freq(
+        cfg, context_length or cfg.max_position_embeddings
+    ).to(device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    raise ConfigError(f"unexpected tensor {name!r} in {f.name}")
+                t = sf.get_tensor(name)
+                p = params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ConfigError(
+                        f"tensor {name!r} has shape {tuple(t.shape)}, model expects "
+                        f"{tuple(p.shape)}"
+                    )
+                with torch.no_grad():
+                    p.copy_(t.to(device=device))
+                loaded.add(name)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model = model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    logger.info(
+        "loaded %s (%s, %d layers, hidden %d) as %s on %s",
+        path, cfg.model_type, cfg.num_layers, cfg.hidden_size, dtype, device,
+    )
+    return model
