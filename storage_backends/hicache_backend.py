@@ -1,0 +1,325 @@
+"""`hicache`: the client of our own `hicache-server` (ZeroMQ DEALER sockets, msgpack headers).
+
+Extra config (JSON) and environment:
+
+===============  ================================================  ==========================
+key              meaning                                           default
+===============  ================================================  ==========================
+``url``          the server (env ``HICACHE_SERVER_URL``)           ``tcp://127.0.0.1:7480``
+``auth_token``   shared token (env ``HICACHE_SERVER_AUTH_TOKEN``)  none
+``timeout_ms``   longest wait for one reply; past it the socket    2000
+                 is dropped and the call degrades to a miss
+``batch_keys``   most keys in one request (a larger batch is       256
+                 split and the parts are pipelined)
+``batch_bytes``  most record bytes in one set request              33554432 (32 MiB)
+===============  ================================================  ==========================
+
+A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
+misses, `batch_set` reports False, each counted in `stats().errors`; a circuit breaker
+(`storage_backends.common.Backoff`) then answers at once without touching the network until the
+next retry. `delete` and `clear` raise `StorageUnavailable` instead (they are administrative and
+their caller must know they did not happen). A wrong token is a `ConfigError` at construction
+when the server is reachable then, and a logged, counted failure afterwards.
+
+Thread-safe: each call checks a socket out of a small pool, so concurrent prefetch and backup
+threads run their round trips in parallel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import ClassVar, TypeVar
+
+import zmq
+
+from hicache.errors import ConfigError, StorageError, StorageUnavailable
+from hicache.storage import BackendStats, StorageBackend, StorageConfig
+from storage_backends.common import Backoff, byte_view, check_known_keys, setting
+from storage_backends.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes")
+DEFAULT_URL = "tcp://127.0.0.1:7480"
+
+R = TypeVar("R", bound=P.Reply)
+
+
+class _Unreachable(Exception):
+    """A round trip got no (valid) answer in time; the socket has been dropped."""
+
+
+class HiCacheServerBackend(StorageBackend):
+    """Pages in a shared `hicache-server`."""
+
+    name: ClassVar[str] = "hicache"
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        check_known_keys(config, KNOWN_KEYS, self.name)
+        self.url = setting(config, "url", DEFAULT_URL, env="HICACHE_SERVER_URL", cast=str)
+        self._token = setting(config, "auth_token", "", env="HICACHE_SERVER_AUTH_TOKEN", cast=str)
+        self.timeout_ms = setting(config, "timeout_ms", 2000)
+        self.batch_keys = setting(config, "batch_keys", 256)
+        self.batch_bytes = setting(config, "batch_bytes", 32 << 20)
+        if self.timeout_ms <= 0 or self.batch_keys <= 0 or self.batch_bytes <= 0:
+            raise ConfigError("hicache backend: timeout_ms, batch_keys, batch_bytes must be > 0")
+        self._ctx = zmq.Context(io_threads=1)
+        self._pool: list[zmq.Socket] = []
+        self._pool_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._warned: set[str] = set()
+        self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
+        self._backoff = Backoff(f"hicache-server {self.url}", initial_s=0.05, max_s=2.0)
+        self._probe()
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Ping once: learn the frame limit, refuse a wrong token early. A server that is not
+        up yet is fine (the engine runs on L1/L2 until it comes)."""
+        try:
+            pong = self._call([P.PingRequest()], P.PingReply)[0]
+        except StorageUnavailable as e:
+            logger.warning("hicache-server at %s not reachable yet: %s", self.url, e)
+            return
+        except StorageError as e:
+            self.close()
+            raise ConfigError(f"hicache backend: {self.url} refused us: {e}") from e
+        self.max_frame_bytes = pong.max_frame_bytes
+        logger.info(
+            "hicache backend connected to %s (server %s, protocol %d)",
+            self.url,
+            pong.server_version,
+            pong.protocol_version,
+        )
+
+    def _socket(self) -> zmq.Socket:
+        with self._pool_lock:
+            if self._closed:
+                raise StorageUnavailable("hicache backend is closed")
+            if self._pool:
+                return self._pool.pop()
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        s.setsockopt(zmq.RECONNECT_IVL, 50)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.connect(self.url)
+        return s
+
+    def _release(self, s: zmq.Socket, healthy: bool) -> None:
+        with self._pool_lock:
+            if healthy and not self._closed:
+                self._pool.append(s)
+                return
+        s.close(linger=0)
+
+    def _roundtrip(self, reqs: Sequence[P.Request]) -> list[P.Reply]:
+        """Send every request (pipelined on one socket), collect their replies in order."""
+        s = self._socket()
+        healthy = False
+        try:
+            wanted: dict[int, int] = {}
+            for i, req in enumerate(reqs):
+                req.request_id = next(self._ids)
+                req.token = self._token
+                wanted[req.request_id] = i
+                s.send_multipart(P.encode(req), copy=False)
+            replies: list[P.Reply | None] = [None] * len(reqs)
+            got = 0
+            while got < len(reqs):
+                # The timeout bounds the wait for each reply, so a large pipelined batch that
+                # keeps making progress is not cut short.
+                if not s.poll(self.timeout_ms, zmq.POLLIN):
+                    raise _Unreachable(f"no reply from {self.url} within {self.timeout_ms} ms")
+                frames = s.recv_multipart(copy=False)
+                msg = P.decode([f.buffer for f in frames], expect="reply")
+                i_req = wanted.pop(msg.request_id, None)
+                if i_req is None:
+                    if isinstance(msg, P.ErrorReply) and msg.request_id == 0:
+                        raise StorageError(f"server error {msg.code}: {msg.message}")
+                    continue  # a late reply of an abandoned request
+                assert isinstance(msg, P.Reply)
+                replies[i_req] = msg
+                got += 1
+            healthy = True
+            return [r for r in replies if r is not None]
+        except zmq.Again as e:
+            raise _Unreachable(f"cannot send to {self.url} within {self.timeout_ms} ms") from e
+        except zmq.ZMQError as e:
+            raise _Unreachable(f"{self.url}: {e}") from e
+        finally:
+            self._release(s, healthy)
+
+    def _call(self, reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
+        """Round trip under the circuit breaker. Raises `StorageUnavailable` (transient) or
+        `StorageError` (an error reply: wrong token, a request the server refused)."""
+        self._backoff.check()
+        try:
+            replies = self._roundtrip(reqs)
+        except _Unreachable as e:
+            self._backoff.failure(e)
+            raise StorageUnavailable(str(e)) from e
+        except BaseException:
+            self._backoff.success()  # the server answered; only the request was wrong
+            raise
+        self._backoff.success()
+        out: list[R] = []
+        for r in replies:
+            if isinstance(r, P.ErrorReply):
+                raise StorageError(f"{self.url} answered {r.code}: {r.message}")
+            if not isinstance(r, kind):
+                raise StorageError(f"{self.url} answered {r.TYPE} to a {reqs[0].TYPE} request")
+            out.append(r)
+        return out
+
+    def _degraded(self, op: str, e: StorageError) -> None:
+        """Count a failed operation; log the first of each kind loudly."""
+        self._count(errors=1)
+        kind = f"{op}:{type(e).__name__}"
+        if kind not in self._warned and not isinstance(e, StorageUnavailable):
+            self._warned.add(kind)
+            logger.error("hicache backend: %s failed: %s", op, e)
+        else:
+            logger.debug("hicache backend: %s failed: %s", op, e)
+
+    def _chunks(self, n: int) -> list[range]:
+        return [range(i, min(n, i + self.batch_keys)) for i in range(0, n, self.batch_keys)]
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        self._count(exists_calls=1)
+        if not keys:
+            return 0
+        chunks = self._chunks(len(keys))
+        try:
+            replies = self._call(
+                [P.ExistsRequest(keys=list(keys[c.start : c.stop])) for c in chunks], P.ExistsReply
+            )
+        except StorageError as e:
+            self._degraded("exists", e)
+            return 0
+        run = 0
+        for c, r in zip(chunks, replies):
+            run += r.count
+            if r.count < len(c):
+                break
+        return run
+
+    def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        chunks = self._chunks(len(keys))
+        try:
+            replies = self._call(
+                [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks], P.GetReply
+            )
+        except StorageError as e:
+            self._degraded("get", e)
+            return [-1] * len(keys)
+        res: list[int] = []
+        for c, r in zip(chunks, replies):
+            if len(r.lengths) != len(c):
+                self._degraded("get", StorageError("reply has the wrong number of pages"))
+                return [-1] * len(keys)
+            frames = iter(r.frames)
+            for i, n in zip(c, r.lengths):
+                if n >= 0:
+                    src = next(frames)
+                    dst = byte_view(out[i])
+                    if n == len(dst):
+                        dst[:] = src
+                res.append(n)
+        return res
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        views = [byte_view(v) for v in values]
+        ok = [False] * len(keys)
+        # Split by key count and bytes; a record over the server's frame limit is not sent.
+        reqs: list[P.SetRequest] = []
+        index: list[list[int]] = []
+        size = 0
+        for i, (k, v) in enumerate(zip(keys, views)):
+            if self.max_frame_bytes and len(v) > self.max_frame_bytes:
+                continue
+            if not reqs or len(index[-1]) >= self.batch_keys or size + len(v) > self.batch_bytes:
+                reqs.append(P.SetRequest())
+                index.append([])
+                size = 0
+            reqs[-1].keys.append(k)
+            reqs[-1].frames.append(v)
+            index[-1].append(i)
+            size += len(v)
+        if reqs:
+            try:
+                replies = self._call(reqs, P.SetReply)
+            except StorageError as e:
+                self._degraded("set", e)
+                replies = []
+            for idx, r in zip(index, replies):
+                for i, stored in zip(idx, r.stored):
+                    ok[i] = stored
+        written = sum(len(v) for v, o in zip(views, ok) if o)
+        self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        try:
+            replies = self._call(
+                [
+                    P.DeleteRequest(keys=list(keys[c.start : c.stop]))
+                    for c in self._chunks(len(keys))
+                ],
+                P.DeleteReply,
+            )
+        except StorageError:
+            self._count(errors=1)
+            raise
+        self._count(deleted_pages=sum(r.deleted for r in replies))
+
+    def clear(self) -> None:
+        try:
+            self._call([P.ClearRequest()], P.ClearReply)
+        except StorageError:
+            self._count(errors=1)
+            raise
+
+    def server_stats(self) -> dict[str, int]:
+        """The server's own counters (pages, bytes, hits, evictions, persistence...)."""
+        return self._call([P.StatsRequest()], P.StatsReply)[0].stats
+
+    def ping(self) -> P.PingReply:
+        return self._call([P.PingRequest()], P.PingReply)[0]
+
+    def stats(self) -> BackendStats:
+        """Counters of this client; `stored_pages` / `stored_bytes` are the server's (memory
+        tier) when it answers, -1 when it does not."""
+        pages = nbytes = -1
+        if not self._closed and not self._backoff.down:
+            try:
+                s = self.server_stats()
+                pages, nbytes = s.get("pages", -1), s.get("bytes", -1)
+            except StorageError as e:
+                logger.debug("hicache backend: server stats unavailable: %s", e)
+        self._set_gauge(stored_pages=pages, stored_bytes=nbytes)
+        return super().stats()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, []
+        for s in pool:
+            s.close(linger=0)
+        self._ctx.destroy(linger=0)

@@ -1,0 +1,1 @@
+"""`hicache-server`: the standalone shared page store (`protocol`, `store`, `server`)."""

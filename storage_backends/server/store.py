@@ -1,0 +1,285 @@
+"""The server's memory tier: opaque page records by key, a byte capacity, LRU eviction.
+
+Values are kept as the buffers they arrived in (a received ZeroMQ frame's memoryview), so a
+stored page is never copied on its way in or out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+Value = Union[bytes, bytearray, memoryview]
+
+logger = logging.getLogger(__name__)
+
+
+def nbytes(value: Value) -> int:
+    return value.nbytes if isinstance(value, memoryview) else len(value)
+
+
+@dataclass
+class StoreCounters:
+    """Counters of the memory tier. Units are in the names."""
+
+    hits: int = 0  # pages found by get
+    misses: int = 0  # pages get did not find
+    evictions: int = 0  # pages dropped to stay under the capacity
+    rejected: int = 0  # pages refused because one is larger than the whole capacity
+
+
+class PageStore:
+    """Thread-safe LRU map of key -> record with a byte capacity (0 = unbounded).
+
+    `get` refreshes a page's recency, `exists` does not (a prefix probe is not a use).
+    `set` of an existing key replaces it and makes it most recent. Eviction drops whole pages,
+    least recently used first, until the new page fits.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._data: OrderedDict[str, Value] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.counters = StoreCounters()
+
+    @property
+    def pages(self) -> int:
+        return len(self._data)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._data for k in keys]
+
+    def get(self, keys: Sequence[str]) -> list[Value | None]:
+        out: list[Value | None] = []
+        with self._lock:
+            for k in keys:
+                v = self._data.get(k)
+                if v is not None:
+                    self._data.move_to_end(k)
+                out.append(v)
+            hits = sum(v is not None for v in out)
+            self.counters.hits += hits
+            self.counters.misses += len(out) - hits
+        return out
+
+    def put(self, key: str, value: Value) -> tuple[bool, list[str]]:
+        """Store one page; returns (stored, keys evicted to make room)."""
+        n = nbytes(value)
+        evicted: list[str] = []
+        with self._lock:
+            if self.capacity_bytes and n > self.capacity_bytes:
+                self.counters.rejected += 1
+                return False, evicted
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= nbytes(old)
+            while self.capacity_bytes and self._bytes + n > self.capacity_bytes:
+                k, dropped = self._data.popitem(last=False)
+                self._bytes -= nbytes(dropped)
+                evicted.append(k)
+            self._data[key] = value
+            self._bytes += n
+            self.counters.evictions += len(evicted)
+        return True, evicted
+
+    def delete(self, keys: Sequence[str]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                v = self._data.pop(k, None)
+                if v is not None:
+                    self._bytes -= nbytes(v)
+                    n += 1
+        return n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    def lru_order(self) -> list[str]:
+        """Keys from least to most recently used (for tests and debugging)."""
+        with self._lock:
+            return list(self._data)
+
+
+class WriteBehind:
+    """Persistence of the memory tier to a directory, through the `file` backend.
+
+    `enqueue` puts a page in a bounded pending map (latest value per key) and returns at once;
+    one writer thread drains it in batches with `FileBackend.batch_set` (temp file + rename, so
+    a crash never leaves half a record). When the map is full, `enqueue` waits until its
+    `deadline` for room, then gives up: the page stays in memory only and is counted in
+    `dropped`. Pages still pending when the process is killed are lost; `close()` (a clean
+    shutdown) writes them all first.
+
+    Reads look at pending and in-flight pages before the disk, so a page is never missed while
+    it is on its way down. `delete` and `clear` cancel pending writes and run under the same
+    I/O lock as the writer, so a deleted page is never written back afterwards.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_pending: int = 4096,
+        capacity_bytes: int = 0,
+        batch_pages: int = 64,
+    ) -> None:
+        from hicache.storage import StorageConfig
+        from storage_backends.file_backend import FileBackend
+
+        if max_pending < 1:
+            raise ValueError(f"persist queue must hold at least 1 page, got {max_pending}")
+        self.backend = FileBackend(
+            StorageConfig(extra={"path": path, "capacity_bytes": capacity_bytes})
+        )
+        self.max_pending = max_pending
+        self.batch_pages = batch_pages
+        self._pending: OrderedDict[str, Value] = OrderedDict()
+        self._inflight: dict[str, Value] = {}
+        self._cond = threading.Condition()
+        self._io_lock = threading.Lock()  # held by the writer around each batch, and by delete
+        self._closing = False
+        self._written = 0
+        self._dropped = 0
+        self._failed = 0
+        self.loaded_pages = max(0, self.backend.stats().stored_pages)
+        self._thread = threading.Thread(target=self._run, name="hicache-persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending) + len(self._inflight)
+
+    def counters(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "pending": len(self._pending) + len(self._inflight),
+                "written": self._written,
+                "dropped": self._dropped,
+                "failed": self._failed,
+                "loaded": self.loaded_pages,
+            }
+
+    def enqueue(self, key: str, value: Value, deadline: float) -> bool:
+        """Queue `value` for writing; False (counted) when no room was free before `deadline`
+        (a `time.monotonic()` value)."""
+        with self._cond:
+            if key in self._pending:
+                self._pending[key] = value
+                return True
+            while len(self._pending) >= self.max_pending and not self._closing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._dropped += 1
+                    return False
+                self._cond.wait(remaining)
+            self._pending[key] = value
+            self._cond.notify_all()
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending and self._closing:
+                    return
+            with self._io_lock:
+                with self._cond:
+                    batch: list[tuple[str, Value]] = []
+                    while self._pending and len(batch) < self.batch_pages:
+                        batch.append(self._pending.popitem(last=False))
+                    self._inflight.update(batch)
+                    self._cond.notify_all()
+                if not batch:
+                    continue
+                try:
+                    ok = self.backend.batch_set(
+                        [k for k, _ in batch], [memoryview(v) for _, v in batch]
+                    )
+                except Exception:  # noqa: BLE001 - the writer thread must never die
+                    logger.exception("persisting %d pages failed", len(batch))
+                    ok = [False] * len(batch)
+                with self._cond:
+                    self._inflight.clear()
+                    self._written += sum(ok)
+                    self._failed += len(ok) - sum(ok)
+                    self._cond.notify_all()
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            return self.backend.path_of(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("reading persisted page %s failed: %s", key[:16], e)
+            return None
+
+    def get(self, keys: Sequence[str]) -> list[Value | None]:
+        out: list[Value | None] = []
+        for k in keys:
+            with self._cond:
+                v = self._pending.get(k)
+                if v is None:
+                    v = self._inflight.get(k)
+            out.append(v if v is not None else self._read(k))
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence per key, stopping at the first absent one (the rest are reported False)."""
+        out = [False] * len(keys)
+        for i, k in enumerate(keys):
+            with self._cond:
+                queued = k in self._pending or k in self._inflight
+            if not queued and not self.backend.path_of(k).exists():
+                break
+            out[i] = True
+        return out
+
+    def delete(self, keys: Sequence[str]) -> int:
+        with self._io_lock:
+            with self._cond:
+                n = sum(self._pending.pop(k, None) is not None for k in keys)
+            on_disk = [k for k in keys if self.backend.path_of(k).exists()]
+            self.backend.delete(on_disk)
+        return max(n, len(on_disk))
+
+    def clear(self) -> None:
+        with self._io_lock:
+            with self._cond:
+                self._pending.clear()
+            self.backend.clear()
+
+    def flush(self) -> None:
+        """Wait until every queued page is written."""
+        with self._cond:
+            while self._pending or self._inflight:
+                self._cond.wait(0.1)
+
+    def close(self) -> int:
+        """Flush, stop the writer, return the number of pages written over the object's life."""
+        self.flush()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.backend.close()
+        return self._written

@@ -1,0 +1,273 @@
+"""A real `hicache-server` process for tests (contract harness, server tests, reliability tests),
+plus client-process workers that tests start with multiprocessing ("spawn")."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hicache.errors import StorageError
+from hicache.storage import PageCodec, StorageConfig
+from storage_backends.hicache_backend import HiCacheServerBackend
+from tests.procs import ManagedProcess, free_port, wait_for_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = bytes(32)
+
+
+class HiCacheServerProc:
+    """One `python -m storage_backends.server` on a free loopback port.
+
+    `restart()` keeps the port (and so the clients' URL). Logs go to `<tmp>/hicache-server.log`.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        capacity: str = "1GiB",
+        persist_dir: Path | None = None,
+        auth_token: str | None = None,
+        metrics_port: int | None = None,
+        args: Sequence[str] = (),
+        port: int | None = None,
+    ) -> None:
+        self.tmp = Path(tmp)
+        self.port = port or free_port()
+        self.capacity = capacity
+        self.persist_dir = persist_dir
+        self.auth_token = auth_token
+        self.metrics_port = metrics_port
+        self.args = list(args)
+        self.proc: ManagedProcess | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "storage_backends.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--capacity",
+            self.capacity,
+            "--log-level",
+            "INFO",  # a later --log-level in `args` wins
+        ]
+        if self.persist_dir is not None:
+            argv += ["--persist-dir", str(self.persist_dir)]
+        if self.metrics_port is not None:
+            argv += ["--metrics-port", str(self.metrics_port)]
+        return argv + self.args
+
+    def start(self) -> HiCacheServerProc:
+        env = {}
+        if self.auth_token is not None:
+            env["HICACHE_SERVER_AUTH_TOKEN"] = self.auth_token
+        self.starts += 1
+        self.proc = ManagedProcess(
+            self.argv(), self.tmp / "hicache-server.log", env=env, cwd=REPO_ROOT
+        ).start()
+        wait_for_port(self.port, proc=self.proc.proc, timeout=60)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def stop(self) -> int | None:
+        """Clean shutdown (SIGTERM: the write-behind queue is flushed); returns the exit code."""
+        if self.proc is None:
+            return None
+        self.proc.stop(timeout=60)
+        return self.proc.proc.returncode if self.proc.proc else None
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.proc is not None:
+            self.proc.kill()
+
+    def restart(self) -> HiCacheServerProc:
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.proc.log() if self.proc is not None else ""
+
+    def client(self, **extra: Any) -> HiCacheServerBackend:
+        cfg: dict[str, Any] = {"url": self.url, "timeout_ms": 5000}
+        if self.auth_token is not None:
+            cfg["auth_token"] = self.auth_token
+        cfg.update(extra)
+        return HiCacheServerBackend(StorageConfig(extra=cfg, namespace=NAMESPACE.hex()))
+
+
+@contextmanager
+def hicache_server(tmp: Path, **kw: Any) -> Iterator[HiCacheServerProc]:
+    """Start a server, yield it, always stop it."""
+    srv = HiCacheServerProc(tmp, **kw)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic pages, so separate processes agree on what was written
+# --------------------------------------------------------------------------------------------
+
+
+def codec(payload_bytes: int = 4096 - 128) -> PageCodec:
+    return PageCodec(
+        namespace=NAMESPACE,
+        dtype="uint8",
+        shape=(payload_bytes,),
+        layout="raw",
+        tokens_per_page=16,
+        itemsize=1,
+    )
+
+
+def page_key(space: str, i: int) -> str:
+    return hashlib.sha256(f"{space}/{i}".encode()).hexdigest()
+
+
+def page_record(c: PageCodec, space: str, i: int, version: int = 0) -> bytearray:
+    payload = random.Random(f"{space}/{i}/{version}").randbytes(c.payload_bytes)
+    return c.encode(page_key(space, i), payload)
+
+
+# --------------------------------------------------------------------------------------------
+# Client-process workers (module-level so multiprocessing "spawn" can import them)
+# --------------------------------------------------------------------------------------------
+
+
+def write_pages(
+    url: str, token: str | None, space: str, n: int, batch: int = 128, payload: int = 3968
+) -> dict[str, int]:
+    """Write pages 0..n-1 of `space`; return counters (the process exit code says success)."""
+    c = codec(payload)
+    extra: dict[str, Any] = {"url": url, "timeout_ms": 10000}
+    if token is not None:
+        extra["auth_token"] = token
+    b = HiCacheServerBackend(StorageConfig(extra=extra, namespace=NAMESPACE.hex()))
+    failed = 0
+    try:
+        for start in range(0, n, batch):
+            idx = range(start, min(n, start + batch))
+            recs = [memoryview(page_record(c, space, i)) for i in idx]
+            ok = b.batch_set([page_key(space, i) for i in idx], recs)
+            failed += ok.count(False)
+        st = b.stats()
+    finally:
+        b.close()
+    if failed or st.errors:
+        raise StorageError(f"writer: {failed} pages not stored, {st.errors} errors")
+    return {"written": n}
+
+
+def read_pages(
+    url: str, token: str | None, space: str, n: int, batch: int = 128, payload: int = 3968
+) -> dict[str, int]:
+    """Read pages 0..n-1 of `space` and compare each with what `write_pages` wrote; raise on any
+    miss or difference."""
+    c = codec(payload)
+    extra: dict[str, Any] = {"url": url, "timeout_ms": 10000}
+    if token is not None:
+        extra["auth_token"] = token
+    b = HiCacheServerBackend(StorageConfig(extra=extra, namespace=NAMESPACE.hex()))
+    hits = 0
+    try:
+        for start in range(0, n, batch):
+            idx = range(start, min(n, start + batch))
+            keys = [page_key(space, i) for i in idx]
+            out = [memoryview(bytearray(c.record_bytes)) for _ in idx]
+            ok = b.batch_get(keys, out)
+            for i, good, buf in zip(idx, ok, out):
+                if not good:
+                    raise StorageError(f"reader: page {i} missing")
+                if bytes(buf) != bytes(page_record(c, space, i)):
+                    raise StorageError(f"reader: page {i} differs")
+                hits += 1
+        st = b.stats()
+    finally:
+        b.close()
+    if st.errors or st.corrupt_pages:
+        raise StorageError(f"reader: {st.errors} errors, {st.corrupt_pages} corrupt")
+    return {"hits": hits}
+
+
+def mixed_worker(
+    url: str, worker: int, seconds: float, result_path: str, payload: int = 3968
+) -> None:
+    """Mixed operations on a private key space and a shared one for `seconds`: set, get
+    (checked bit-identical), exists, delete of own pages. Writes a JSON summary to
+    `result_path`: the pages this worker last left stored (to be read back afterwards) and its
+    error counts."""
+    import json
+
+    c = codec(payload)
+    rng = random.Random(worker)
+    b = HiCacheServerBackend(
+        StorageConfig(extra={"url": url, "timeout_ms": 20000}, namespace=NAMESPACE.hex())
+    )
+    mine = f"w{worker}"
+    stored: set[int] = set()
+    mismatches = ops = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            ops += 1
+            op = rng.random()
+            idx = [rng.randrange(2000) for _ in range(rng.randint(1, 32))]
+            idx = sorted(set(idx))
+            if op < 0.35:
+                recs = [memoryview(page_record(c, mine, i)) for i in idx]
+                ok = b.batch_set([page_key(mine, i) for i in idx], recs)
+                stored.update(i for i, o in zip(idx, ok) if o)
+            elif op < 0.45:
+                shared = [i % 200 for i in idx]
+                shared = sorted(set(shared))
+                recs = [memoryview(page_record(c, "shared", i)) for i in shared]
+                b.batch_set([page_key("shared", i) for i in shared], recs)
+            elif op < 0.80:
+                space = mine if op < 0.70 else "shared"
+                keys = [page_key(space, i) for i in idx]
+                out = [memoryview(bytearray(c.record_bytes)) for _ in idx]
+                for i, good, buf in zip(idx, b.batch_get(keys, out), out):
+                    if space == mine and (good != (i in stored)):
+                        mismatches += 1
+                    if good and bytes(buf) != bytes(page_record(c, space, i)):
+                        mismatches += 1
+            elif op < 0.93:
+                b.batch_exists([page_key(mine, i) for i in idx])
+            else:
+                b.delete([page_key(mine, i) for i in idx])
+                stored.difference_update(idx)
+        st = b.stats()
+    finally:
+        b.close()
+    Path(result_path).write_text(
+        json.dumps(
+            {
+                "stored": sorted(stored),
+                "ops": ops,
+                "mismatches": mismatches,
+                "errors": st.errors,
+                "corrupt": st.corrupt_pages,
+                "set_failures": st.set_failures,
+            }
+        )
+    )
