@@ -1,0 +1,176 @@
+"""The hicache-server wire protocol: every message type round-trips; bad frames are refused with
+a `ProtocolError` naming the right code, never any other exception."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage_backends.server import protocol as P
+
+SAMPLES: list[P.Message] = [
+    P.PingRequest(request_id=1, token="t"),
+    P.PingReply(request_id=1, server_version="0.1.0", protocol_version=1, max_frame_bytes=99),
+    P.ExistsRequest(request_id=2, token="", keys=["a", "b"]),
+    P.ExistsReply(request_id=2, count=1),
+    P.GetRequest(request_id=3, token="tok", keys=["a", "b", "c"]),
+    P.GetReply(request_id=3, lengths=[3, -1, 0], frames=[b"abc", b""]),
+    P.SetRequest(request_id=4, token="tok", keys=["a", "b"], frames=[b"x" * 100, b"yz"]),
+    P.SetReply(request_id=4, stored=[True, False]),
+    P.DeleteRequest(request_id=5, keys=["a"]),
+    P.DeleteReply(request_id=5, deleted=1),
+    P.ClearRequest(request_id=6, token="tok"),
+    P.ClearReply(request_id=6),
+    P.StatsRequest(request_id=7),
+    P.StatsReply(request_id=7, stats={"pages": 3, "bytes": 12}),
+    P.ErrorReply(request_id=8, code=P.ErrorCode.UNAUTHORIZED, message="no"),
+]
+
+
+def _normalise(msg: P.Message) -> dict[str, object]:
+    d = dataclasses.asdict(msg)
+    if "frames" in d:
+        d["frames"] = [bytes(f) for f in d["frames"]]
+    return d
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(P.REQUEST_TYPES) | set(P.REPLY_TYPES)
+    tags = [c.TYPE for c in (*P.REQUEST_TYPES, *P.REPLY_TYPES)]
+    assert len(set(tags)) == len(tags)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: P.Message) -> None:
+    frames = P.encode(msg)
+    back = P.decode(frames)
+    assert type(back) is type(msg)
+    assert _normalise(back) == _normalise(msg)
+    kind = "request" if isinstance(msg, P.Request) else "reply"
+    assert type(P.decode(frames, expect=kind)) is type(msg)
+    other = "reply" if kind == "request" else "request"
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frames, expect=other)
+    assert e.value.code == P.ErrorCode.UNKNOWN_TYPE
+
+
+def test_payload_frames_are_not_copied_into_the_header() -> None:
+    big = memoryview(bytearray(1 << 20))
+    frames = P.encode(P.SetRequest(keys=["k"], frames=[big]))
+    assert len(frames) == 2
+    assert frames[1] is big
+    assert len(frames[0]) < 100
+
+
+def test_header_carries_the_version_and_wire_names() -> None:
+    header = msgpack.unpackb(P.encode(P.GetRequest(request_id=9, token="s", keys=["k"]))[0])
+    assert header == {"v": P.PROTOCOL_VERSION, "t": "get", "id": 9, "auth": "s", "keys": ["k"]}
+
+
+@given(
+    keys=st.lists(st.text(max_size=80), max_size=20),
+    rid=st.integers(min_value=0, max_value=2**63 - 1),
+    token=st.text(max_size=40),
+)
+@settings(max_examples=100, deadline=None)
+def test_round_trip_property(keys: list[str], rid: int, token: str) -> None:
+    frames = [bytes([i % 256]) * i for i in range(len(keys))]
+    msg = P.SetRequest(request_id=rid, token=token, keys=keys, frames=frames)
+    back = P.decode(P.encode(msg), expect="request")
+    assert _normalise(back) == _normalise(msg)
+
+
+def _header(**fields: object) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+GOOD_GET = {"v": 1, "t": "get", "id": 5, "auth": "", "keys": ["a"]}
+
+MALFORMED: list[tuple[str, list[bytes], str]] = [
+    ("empty message", [], P.ErrorCode.MALFORMED),
+    ("not msgpack", [b"\xc1\xc1garbage"], P.ErrorCode.MALFORMED),
+    ("truncated header", [_header(**GOOD_GET)[:-3]], P.ErrorCode.MALFORMED),
+    ("trailing bytes", [_header(**GOOD_GET) + b"\x00"], P.ErrorCode.MALFORMED),
+    ("header is a list", [msgpack.packb([1, "get", 5])], P.ErrorCode.MALFORMED),
+    ("header is an int", [msgpack.packb(7)], P.ErrorCode.MALFORMED),
+    ("empty header frame", [b""], P.ErrorCode.MALFORMED),
+    ("no version", [_header(t="get", id=1, auth="", keys=[])], P.ErrorCode.BAD_VERSION),
+    ("future version", [_header(**{**GOOD_GET, "v": 2})], P.ErrorCode.BAD_VERSION),
+    ("version as string", [_header(**{**GOOD_GET, "v": "1"})], P.ErrorCode.BAD_VERSION),
+    ("unknown type", [_header(**{**GOOD_GET, "t": "rm -rf"})], P.ErrorCode.UNKNOWN_TYPE),
+    ("type not a string", [_header(**{**GOOD_GET, "t": 3})], P.ErrorCode.UNKNOWN_TYPE),
+    ("keys is an int", [_header(**{**GOOD_GET, "keys": 3})], P.ErrorCode.MALFORMED),
+    ("key is bytes", [_header(**{**GOOD_GET, "keys": [b"a"]})], P.ErrorCode.MALFORMED),
+    ("id is a bool", [_header(**{**GOOD_GET, "id": True})], P.ErrorCode.MALFORMED),
+    ("id is a float", [_header(**{**GOOD_GET, "id": 1.5})], P.ErrorCode.MALFORMED),
+    ("token is missing", [_header(v=1, t="get", id=1, keys=[])], P.ErrorCode.MALFORMED),
+    ("unknown field", [_header(**{**GOOD_GET, "extra": 1})], P.ErrorCode.MALFORMED),
+    ("non-string map key", [msgpack.packb({1: 2})], P.ErrorCode.MALFORMED),
+    ("payload on a get", [_header(**GOOD_GET), b"xx"], P.ErrorCode.MALFORMED),
+    (
+        "set with a missing frame",
+        [_header(v=1, t="set", id=1, auth="", keys=["a", "b"]), b"x"],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "set with an extra frame",
+        [_header(v=1, t="set", id=1, auth="", keys=["a"]), b"x", b"y"],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "get reply with a wrong length",
+        [_header(v=1, t="get_ok", id=1, lengths=[3]), b"xy"],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "get reply missing a frame",
+        [_header(v=1, t="get_ok", id=1, lengths=[3, 2]), b"xyz"],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "stats with a non-int value",
+        [_header(v=1, t="stats_ok", id=1, stats={"a": "b"})],
+        P.ErrorCode.MALFORMED,
+    ),
+]
+
+
+@pytest.mark.parametrize("name,frames,code", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_frames_raise_protocol_errors(name: str, frames: list[bytes], code: str) -> None:
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frames)
+    assert e.value.code == code, name
+    assert e.value.message
+
+
+def test_error_keeps_the_request_id_when_readable() -> None:
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode([_header(**{**GOOD_GET, "keys": 3})])
+    assert e.value.request_id == 5
+    assert P.peek_request_id(_header(**GOOD_GET)) == 5
+    assert P.peek_request_id(b"\xc1") == 0
+
+
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=20), max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_arbitrary_bytes_never_raise_anything_else(head: bytes, rest: list[bytes]) -> None:
+    with contextlib.suppress(P.ProtocolError):
+        P.decode([head, *rest])
+
+
+@given(st.integers(min_value=0, max_value=60))
+@settings(max_examples=61, deadline=None)
+def test_every_truncation_of_a_valid_header_is_refused(cut: int) -> None:
+    frames = P.encode(
+        P.SetRequest(request_id=77, token="t", keys=["k1", "k2"], frames=[b"a", b"b"])
+    )
+    head = bytes(frames[0])
+    if cut >= len(head):
+        return
+    with pytest.raises(P.ProtocolError):
+        P.decode([head[:cut], *frames[1:]])
