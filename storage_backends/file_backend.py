@@ -250,6 +250,8 @@ class FileBackend(StorageBackend):
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         self._count(exists_calls=1)
+        n = len(keys)
+        changed = False
         for i, key in enumerate(keys):
             name = page_name(key)
             path = os.path.join(self._shard(name), name)
@@ -257,18 +259,24 @@ class FileBackend(StorageBackend):
                 size = os.stat(path).st_size
             except FileNotFoundError:
                 with self._lock:
-                    self._index_drop(name)
-                return i
+                    changed |= self._index_drop(name)
+                n = i
+                break
             except OSError as e:
                 self._io_error("stat", key, e)
-                return i
+                n = i
+                break
             with self._lock:
                 if self._index.get(name) != size:
                     self._index_put(name, size)  # written by another object / process
-        return len(keys)
+                    changed = True
+        if changed:
+            self._gauges()
+        return n
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
         res: list[int] = []
+        changed = False
         for key, buf in zip(keys, out):
             dst = byte_view(buf)
             name = page_name(key)
@@ -276,7 +284,7 @@ class FileBackend(StorageBackend):
                 n = self._read(os.path.join(self._shard(name), name), dst)
             except FileNotFoundError:
                 with self._lock:
-                    self._index_drop(name)
+                    changed |= self._index_drop(name)
                 res.append(-1)
                 continue
             except OSError as e:
@@ -284,11 +292,14 @@ class FileBackend(StorageBackend):
                 res.append(-1)
                 continue
             with self._lock:
-                if name in self._index and self._index[name] == n:
+                if self._index.get(name) == n:
                     self._index.move_to_end(name)
                 else:
-                    self._index_put(name, n)
+                    self._index_put(name, n)  # written by another object / process
+                    changed = True
             res.append(n)
+        if changed:
+            self._gauges()
         return res
 
     def _read(self, path: str, dst: memoryview) -> int:
