@@ -13,7 +13,9 @@ from hicache.errors import (
     StorageError,
     StorageUnavailable,
 )
+from hicache.hiradix import Acquired, HiRadixCache, InsertResult, MatchResult
 from hicache.keys import namespace_seed, page_keys
+from hicache.simulation import SimStorage, simulate_request
 from hicache.stats import CacheStats
 from hicache.storage import (
     BackendStats,
@@ -26,6 +28,12 @@ from hicache.storage import (
 )
 
 __all__ = [
+    "Acquired",
+    "HiRadixCache",
+    "InsertResult",
+    "MatchResult",
+    "SimStorage",
+    "simulate_request",
     "BackendStats",
     "CacheStats",
     "CapacityError",

@@ -1,0 +1,400 @@
+"""Background transfer machinery: the only place in hicache where threads live.
+
+Four kinds of movement:
+
+- device -> host *write* (write-through backup, asynchronous, acked),
+- host -> device *load* (load-back, synchronous: the request needs it before its forward),
+- host -> storage *backup* (asynchronous, acked),
+- storage -> host *prefetch* (asynchronous, progress visible while it runs, acked).
+
+Operations are plain objects. Worker threads fill in their results and put them on one ack
+queue; the owner of the tree (`HiRadixCache.poll`) consumes the acks and changes the tree, so the
+tree is only ever touched by one thread. In synchronous mode (tests, simulation) an operation runs
+inline when submitted and its ack waits in the same queue.
+
+A storage backend that raises is not retried for `storage_retry_backoff` seconds (doubling up to
+30 s): meanwhile prefetches are not started and backups are dropped (counted). Worker threads
+catch everything: a backend error never kills a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from hicache.errors import StorageCorrupt
+
+if TYPE_CHECKING:
+    from hicache.pools import DeviceKVPool, HostKVPool
+    from hicache.radix import Tokens, TreeNode
+    from hicache.storage import PageCodec, StorageBackend
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+# --------------------------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WriteOp:
+    """device -> host copy of one node's pages. The node is locked until the ack."""
+
+    node: TreeNode
+    device_pages: list[int]
+    host_pages: list[int]
+    keys: list[str] = field(default_factory=list)  # L3 keys of the pages (when L3 is set)
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class BackupOp:
+    """host -> storage of pages. `node` is host-pinned until the ack; when the node already left
+    the tree (write_back host eviction) `node` is None and the pages are freed at the ack."""
+
+    node: TreeNode | None
+    host_pages: list[int]
+    keys: list[str]
+    written: int = 0
+    skipped: int = 0  # already present in storage
+    failed: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """storage -> host of the pages of `tokens` after `start_page`, stopping at the first miss.
+
+    Thread-side fields (`completed`, `done`, counters) are written by the prefetch worker;
+    cache-side fields (`taken`, `cancelled`, `released`) only by the tree's owner.
+    """
+
+    request_id: str
+    anchor: TreeNode
+    tokens: Tokens
+    start_page: int
+    keys: list[str]
+    host_pages: list[int]
+    started: float
+    budget_s: float
+    completed: int = 0  # leading pages written to host and valid
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+    seconds: float = 0.0
+    corrupt: int = 0
+    error: str | None = None
+    taken: int | None = None  # pages the cache inserted into the tree
+    cancelled: bool = False
+    released: bool = False  # leftover host pages given back
+
+
+Op = WriteOp | BackupOp | PrefetchOp
+
+
+# --------------------------------------------------------------------------------------------
+# Data movement
+# --------------------------------------------------------------------------------------------
+
+
+class Transfer(Protocol):
+    """How bytes move. `TensorTransfer` for real pools; `SimTransfer` moves nothing."""
+
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None: ...
+
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None: ...
+
+    def exists(self, keys: Sequence[str]) -> int: ...
+
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None: ...
+
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
+        """Fetch pages in order into `host_pages`, advancing `op.completed`; return False at the
+        first missing or invalid page."""
+        ...
+
+
+class TensorTransfer:
+    """Moves real KV between a `DeviceKVPool`, a `HostKVPool` and a `StorageBackend`."""
+
+    def __init__(
+        self,
+        device: DeviceKVPool,
+        host: HostKVPool,
+        storage: StorageBackend | None,
+        codec: PageCodec | None,
+    ) -> None:
+        self.device = device
+        self.host = host
+        self.storage = storage
+        self.codec = codec
+        self._local = threading.local()
+
+    def _staging(self, n: int) -> list[memoryview]:
+        assert self.codec is not None
+        size = self.codec.record_bytes
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n * size:
+            buf = bytearray(n * size)
+            self._local.buf = buf
+        mv = memoryview(buf)
+        return [mv[i * size : (i + 1) * size] for i in range(n)]
+
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.host.store_from(self.device, device_pages, host_pages)
+
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self.host.load_into(self.device, host_pages, device_pages)
+
+    def exists(self, keys: Sequence[str]) -> int:
+        assert self.storage is not None
+        return self.storage.batch_exists(keys)
+
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
+        assert self.storage is not None and self.codec is not None
+        views = self._staging(len(keys))
+        for key, hp, view in zip(keys, host_pages, views):
+            self.codec.encode_into(key, self.host.page_payload(hp), view)
+        ok = self.storage.batch_set(list(keys), views)
+        n_ok = sum(ok)
+        op.written += n_ok
+        op.failed += len(ok) - n_ok
+        op.nbytes += n_ok * self.codec.record_bytes
+
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
+        assert self.storage is not None and self.codec is not None
+        views = self._staging(len(keys))
+        ok = self.storage.batch_get(list(keys), views)
+        for key, hp, view, good in zip(keys, host_pages, views, ok):
+            if not good:
+                return False
+            try:
+                payload = self.codec.decode(view, key)
+            except StorageCorrupt as e:
+                logger.warning("dropping L3 page %s: %s", key[:16], e)
+                op.corrupt += 1
+                self.storage.report_corrupt([key])
+                return False
+            self.host.set_page_payload(hp, payload)
+            op.nbytes += self.codec.record_bytes
+            op.completed += 1
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# The controller
+# --------------------------------------------------------------------------------------------
+
+
+class TransferController:
+    """Runs operations on worker threads (or inline) and collects their acks."""
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        *,
+        has_storage: bool,
+        batch_pages: int = 128,
+        retry_backoff_s: float = 1.0,
+        synchronous: bool = False,
+    ) -> None:
+        self.transfer = transfer
+        self.has_storage = has_storage
+        self.batch_pages = batch_pages
+        self.synchronous = synchronous
+        self._acks: queue.SimpleQueue[Op] = queue.SimpleQueue()
+        self._pending = 0  # submitted and not yet acked
+        self._pending_lock = threading.Lock()
+        self._idle = threading.Condition(self._pending_lock)
+        # Storage health.
+        self._base_backoff = retry_backoff_s
+        self._backoff = retry_backoff_s
+        self._down_until = 0.0
+        self._down = False
+        self.storage_errors = 0  # read by the owner; only grows
+        self._queues: dict[str, queue.SimpleQueue[Op | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        if not synchronous:
+            for name in ("write", "backup", "prefetch"):
+                q: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+                t = threading.Thread(
+                    target=self._worker, args=(q,), name=f"hicache-{name}", daemon=True
+                )
+                self._queues[name] = q
+                self._threads.append(t)
+                t.start()
+
+    # -- health -------------------------------------------------------------------------------
+
+    def storage_available(self) -> bool:
+        return self.has_storage and time.monotonic() >= self._down_until
+
+    def _storage_failed(self, what: str, e: BaseException) -> None:
+        self.storage_errors += 1
+        self._down_until = time.monotonic() + self._backoff
+        if not self._down:
+            logger.warning(
+                "L3 storage %s failed (%s: %s); serving from L1/L2, retrying in %.1fs",
+                what,
+                type(e).__name__,
+                e,
+                self._backoff,
+            )
+        else:
+            logger.debug("L3 storage %s failed again: %s", what, e)
+        self._down = True
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S) if self._backoff else 0.0
+
+    def _storage_ok(self) -> None:
+        if self._down:
+            logger.info("L3 storage is reachable again")
+        self._down = False
+        self._backoff = self._base_backoff
+
+    @property
+    def storage_down(self) -> bool:
+        return self._down
+
+    # -- submission ----------------------------------------------------------------------------
+
+    def _submit(self, kind: str, op: Op) -> None:
+        if self._closed:
+            raise RuntimeError("transfer controller is closed")
+        with self._pending_lock:
+            self._pending += 1
+        if self.synchronous:
+            self._run(op)
+        else:
+            self._queues[kind].put(op)
+
+    def submit_write(self, op: WriteOp) -> None:
+        self._submit("write", op)
+
+    def submit_backup(self, op: BackupOp) -> None:
+        self._submit("backup", op)
+
+    def submit_prefetch(self, op: PrefetchOp) -> None:
+        self._submit("prefetch", op)
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """Leading run of `keys` present in storage, asked now; 0 while the backend is down."""
+        if not self.storage_available():
+            return 0
+        try:
+            n = self.transfer.exists(keys)
+        except Exception as e:  # noqa: BLE001
+            self._storage_failed("exists", e)
+            return 0
+        self._storage_ok()
+        return n
+
+    def acks(self) -> list[Op]:
+        """Every completed operation not yet handed out, in completion order."""
+        out: list[Op] = []
+        while True:
+            try:
+                out.append(self._acks.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted operation has been acked (not necessarily consumed)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    # -- synchronous movement -------------------------------------------------------------
+
+    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self.transfer.host_to_device(host_pages, device_pages)
+
+    def write_now(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.transfer.device_to_host(device_pages, host_pages)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _worker(self, q: queue.SimpleQueue[Op | None]) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            self._run(op)
+
+    def _run(self, op: Op) -> None:
+        try:
+            if isinstance(op, WriteOp):
+                self.transfer.device_to_host(op.device_pages, op.host_pages)
+            elif isinstance(op, BackupOp):
+                self._run_backup(op)
+            else:
+                self._run_prefetch(op)
+        except Exception as e:  # noqa: BLE001 - a worker never dies
+            logger.exception("transfer %s failed", type(op).__name__)
+            op.error = f"{type(e).__name__}: {e}"
+        finally:
+            if isinstance(op, PrefetchOp):
+                op.done.set()
+            self._acks.put(op)
+            with self._idle:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    def _run_backup(self, op: BackupOp) -> None:
+        if not self.storage_available():
+            op.failed = len(op.keys)
+            return
+        t0 = time.perf_counter()
+        try:
+            present = self.transfer.exists(op.keys)
+            op.skipped = present
+            for i in range(present, len(op.keys), self.batch_pages):
+                j = min(i + self.batch_pages, len(op.keys))
+                self.transfer.store(op.keys[i:j], op.host_pages[i:j], op)
+            self._storage_ok()
+        except Exception as e:  # noqa: BLE001
+            self._storage_failed("write", e)
+            op.failed = len(op.keys) - op.written - op.skipped
+            op.error = f"{type(e).__name__}: {e}"
+        op.seconds = time.perf_counter() - t0
+
+    def _run_prefetch(self, op: PrefetchOp) -> None:
+        if not self.storage_available():
+            return
+        t0 = time.perf_counter()
+        try:
+            n = len(op.keys)  # prefetch() reserved host pages for the leading run present
+            i = 0
+            while i < n and not op.stop.is_set():
+                j = min(i + self.batch_pages, n)
+                if not self.transfer.fetch(op.keys[i:j], op.host_pages[i:j], op):
+                    break
+                i = j
+            self._storage_ok()
+        except Exception as e:  # noqa: BLE001
+            self._storage_failed("read", e)
+            op.error = f"{type(e).__name__}: {e}"
+        op.seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)

@@ -1,0 +1,290 @@
+"""A page-granular radix tree of token sequences.
+
+Every edge key is a whole number of pages (`page_size` tokens each); a node is split only on a
+page boundary. One root per `extra_key` keeps tenants (or LoRA adapters, or `cache_salt`s) apart:
+a sequence under one extra_key never matches another's. The tree knows nothing of tiers beyond
+the per-node fields; `HiRadixCache` gives them meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import count
+from typing import NamedTuple
+
+Tokens = tuple[int, ...]
+
+
+class TreeNode:
+    """One edge of the tree and the pages that hold its KV.
+
+    - `key`: the edge's tokens (a whole number of pages); empty for a root.
+    - `value`: device page ids, one per page of `key`, or None when not on the device.
+    - `host_value`: host page ids, or None when not in host memory.
+    - `page_keys`: storage digests, one per page (computed lazily, only with an L3 backend).
+    - `lock_ref`: pins the device copy; taken along the whole path to the root, so a node's
+      count is at least the sum of its children's.
+    - `host_ref`: pins the host copy while a transfer reads it; also path-wide.
+    - `hit_count`, `last_access` (logical clock), `created`, `priority`: eviction inputs.
+    """
+
+    __slots__ = (
+        "id",
+        "key",
+        "children",
+        "parent",
+        "value",
+        "host_value",
+        "page_keys",
+        "lock_ref",
+        "host_ref",
+        "hit_count",
+        "last_access",
+        "created",
+        "priority",
+        "removed",
+        "extra_key",
+    )
+
+    def __init__(self, node_id: int, key: Tokens, parent: TreeNode | None, tick: int) -> None:
+        self.id = node_id
+        self.key = key
+        self.children: dict[Tokens, TreeNode] = {}
+        self.parent = parent
+        self.value: list[int] | None = None
+        self.host_value: list[int] | None = None
+        self.page_keys: list[bytes] | None = None
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = tick
+        self.created = tick
+        self.priority = 0
+        self.removed = False
+        self.extra_key: str | None = parent.extra_key if parent is not None else None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def on_device(self) -> bool:
+        return self.value is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_value is not None
+
+    @property
+    def num_pages(self) -> int:
+        ps_pages = self.value if self.value is not None else self.host_value
+        return len(ps_pages) if ps_pages is not None else 0
+
+    def has_device_child(self) -> bool:
+        return any(c.value is not None for c in self.children.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, device={self.value is not None}, "
+            f"host={self.host_value is not None}, lock={self.lock_ref}, host_ref={self.host_ref})"
+        )
+
+
+class PathMatch(NamedTuple):
+    nodes: list[TreeNode]  # fully matched nodes, root excluded, top-down
+    matched_tokens: int  # tokens of `nodes` plus `partial_pages` pages of `partial`
+    partial: TreeNode | None  # node matched only in part (its first `partial_pages` pages)
+    partial_pages: int
+
+
+class RadixTree:
+    """The structure: roots per extra_key, match, split, add and remove, path-wide refcounts."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self._ids = count(1)
+        self.roots: dict[str | None, TreeNode] = {}
+        self.tick = 0
+
+    # -- roots and nodes ---------------------------------------------------------------------
+
+    def root(self, extra_key: str | None) -> TreeNode:
+        key = extra_key or None
+        r = self.roots.get(key)
+        if r is None:
+            r = TreeNode(0, (), None, self.tick)
+            r.extra_key = key
+            r.value = []
+            r.host_value = []
+            self.roots[key] = r
+        return r
+
+    def clock(self) -> int:
+        self.tick += 1
+        return self.tick
+
+    def new_child(self, parent: TreeNode, key: Tokens) -> TreeNode:
+        """Attach a fresh node under `parent` (no pages yet: the caller sets them)."""
+        ps = self.page_size
+        if not key or len(key) % ps:
+            raise ValueError(f"key of {len(key)} tokens is not a whole number of pages")
+        first = key[:ps]
+        if first in parent.children:
+            raise ValueError("parent already has a child starting with this page")
+        node = TreeNode(next(self._ids), key, parent, self.tick)
+        parent.children[first] = node
+        return node
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        if node.children:
+            raise ValueError(f"{node} has children")
+        parent = node.parent
+        if parent is None:
+            raise ValueError("cannot remove a root")
+        del parent.children[node.key[: self.page_size]]
+        node.removed = True
+        node.parent = None
+
+    def split(self, node: TreeNode, n_pages: int) -> TreeNode:
+        """Split `node` after its first `n_pages` pages; return the new upper node.
+
+        The upper node inherits the pins (`lock_ref`, `host_ref`) of `node`: pins are path-wide,
+        so every pin that covers `node` covers its new parent too, and releasing it through
+        `node` walks through the new parent.
+        """
+        ps = self.page_size
+        cut = n_pages * ps
+        if not 0 < cut < len(node.key):
+            raise ValueError(f"split at page {n_pages} of a {len(node.key) // ps}-page node")
+        parent = node.parent
+        assert parent is not None
+        upper = TreeNode(next(self._ids), node.key[:cut], parent, node.last_access)
+        upper.created = node.created
+        upper.hit_count = node.hit_count
+        upper.priority = node.priority
+        upper.lock_ref = node.lock_ref
+        upper.host_ref = node.host_ref
+        if node.value is not None:
+            upper.value, node.value = node.value[:n_pages], node.value[n_pages:]
+        if node.host_value is not None:
+            upper.host_value, node.host_value = node.host_value[:n_pages], node.host_value[n_pages:]
+        if node.page_keys is not None:
+            upper.page_keys, node.page_keys = node.page_keys[:n_pages], node.page_keys[n_pages:]
+        node.key = node.key[cut:]
+        parent.children[upper.key[:ps]] = upper
+        upper.children[node.key[:ps]] = node
+        node.parent = upper
+        return upper
+
+    # -- matching ------------------------------------------------------------------------------
+
+    def match(self, tokens: Tokens, extra_key: str | None = None) -> PathMatch:
+        """Walk the longest page-aligned prefix of `tokens` present in the tree."""
+        ps = self.page_size
+        n = len(tokens) // ps * ps
+        node = self.root(extra_key)
+        nodes: list[TreeNode] = []
+        i = 0
+        while i < n:
+            child = node.children.get(tokens[i : i + ps])
+            if child is None:
+                break
+            k = child.key
+            if len(k) <= n - i and k == tokens[i : i + len(k)]:
+                nodes.append(child)
+                i += len(k)
+                node = child
+                continue
+            # Partial: count matching pages (the first one matched by the dict lookup).
+            pages = 1
+            limit = min(len(k), n - i) // ps
+            while pages < limit and k[pages * ps : (pages + 1) * ps] == tokens[
+                i + pages * ps : i + (pages + 1) * ps
+            ]:
+                pages += 1
+            if pages * ps == len(k):  # whole node matched after all
+                nodes.append(child)
+                i += len(k)
+                node = child
+                continue
+            return PathMatch(nodes, i + pages * ps, child, pages)
+        return PathMatch(nodes, i, None, 0)
+
+    def match_split(self, tokens: Tokens, extra_key: str | None = None) -> list[TreeNode]:
+        """Like `match`, but split a partially matched node so the path ends exactly at the
+        match. Returns the matched nodes, top-down (root excluded)."""
+        m = self.match(tokens, extra_key)
+        if m.partial is None:
+            return m.nodes
+        return [*m.nodes, self.split(m.partial, m.partial_pages)]
+
+    # -- path-wide pins ---------------------------------------------------------------------
+
+    @staticmethod
+    def path(node: TreeNode) -> Iterator[TreeNode]:
+        """`node` and its ancestors up to (excluding) the root."""
+        x: TreeNode | None = node
+        while x is not None and x.parent is not None:
+            yield x
+            x = x.parent
+
+    def inc_lock(self, node: TreeNode) -> None:
+        for x in self.path(node):
+            x.lock_ref += 1
+
+    def dec_lock(self, node: TreeNode) -> list[TreeNode]:
+        """Release one lock; return the nodes whose count reached zero."""
+        freed = []
+        for x in self.path(node):
+            if x.lock_ref <= 0:
+                raise RuntimeError(f"lock_ref underflow on {x}")
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                freed.append(x)
+        return freed
+
+    def inc_host_ref(self, node: TreeNode) -> None:
+        for x in self.path(node):
+            x.host_ref += 1
+
+    def dec_host_ref(self, node: TreeNode) -> list[TreeNode]:
+        freed = []
+        for x in self.path(node):
+            if x.host_ref <= 0:
+                raise RuntimeError(f"host_ref underflow on {x}")
+            x.host_ref -= 1
+            if x.host_ref == 0:
+                freed.append(x)
+        return freed
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            x = stack.pop()
+            if x.parent is not None:
+                yield x
+            stack.extend(x.children.values())
+
+    def prefix_tokens(self, node: TreeNode) -> int:
+        """Tokens from the root to the end of `node`."""
+        return sum(len(x.key) for x in self.path(node))
+
+    def clear(self) -> None:
+        for r in self.roots.values():
+            for x in list(r.children.values()):
+                x.parent = None
+        self.roots.clear()
+
+
+def common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+    """Number of leading whole pages on which `a` and `b` agree."""
+    n = min(len(a), len(b)) // page_size
+    for p in range(n):
+        if a[p * page_size : (p + 1) * page_size] != b[p * page_size : (p + 1) * page_size]:
+            return p
+    return n

@@ -1,0 +1,135 @@
+"""Simulated mode: the same tree, policies and decisions as the real cache, with no tensors.
+
+`HiRadixCache(HiCacheConfig(simulated=True, ...), num_device_pages=..., num_host_pages=...,
+sim_storage=SimStorage(...))` drives the exact code the engine runs; only the bytes do not move.
+Transfers complete instantly. `simulate_request` is the request lifecycle an engine follows
+(prefetch, acquire, compute, insert, release), so replaying a trace through it predicts the
+engine's hit counters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from hicache.controller import BackupOp, PrefetchOp
+
+if TYPE_CHECKING:
+    from hicache.hiradix import HiRadixCache
+
+
+class SimStorage:
+    """L3 presence only: which page keys are stored, with LRU eviction at `capacity_pages`
+    (None: unbounded). Reads refresh a key's recency; `exists` does not."""
+
+    def __init__(self, capacity_pages: int | None = None) -> None:
+        if capacity_pages is not None and capacity_pages < 0:
+            raise ValueError("capacity_pages must be >= 0 or None")
+        self.capacity_pages = capacity_pages
+        self.keys: OrderedDict[str, None] = OrderedDict()
+        self.evicted_pages = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def exists(self, keys: Sequence[str]) -> int:
+        for i, k in enumerate(keys):
+            if k not in self.keys:
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[str]) -> int:
+        for i, k in enumerate(keys):
+            if k not in self.keys:
+                return i
+            self.keys.move_to_end(k)
+        return len(keys)
+
+    def put(self, keys: Sequence[str]) -> int:
+        if self.capacity_pages == 0:
+            return 0
+        for k in keys:
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        if self.capacity_pages is not None:
+            while len(self.keys) > self.capacity_pages:
+                self.keys.popitem(last=False)
+                self.evicted_pages += 1
+        return len(keys)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+class SimTransfer:
+    """The `Transfer` of simulated mode: page bookkeeping only."""
+
+    def __init__(self, storage: SimStorage | None) -> None:
+        self.storage = storage
+
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        pass
+
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        pass
+
+    def exists(self, keys: Sequence[str]) -> int:
+        assert self.storage is not None
+        return self.storage.exists(keys)
+
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
+        assert self.storage is not None
+        n = self.storage.put(keys)
+        op.written += n
+        op.failed += len(keys) - n
+
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
+        assert self.storage is not None
+        n = self.storage.get(keys)
+        op.completed += n
+        return n == len(keys)
+
+
+class SimulatedRequest(NamedTuple):
+    cached_tokens: int  # prompt tokens served from the cache (all tiers)
+    device_hit_tokens: int
+    host_hit_tokens: int
+    storage_hit_tokens: int
+    computed_tokens: int  # prompt tokens that had to be prefilled
+
+
+def simulate_request(
+    cache: HiRadixCache,
+    request_id: str,
+    prompt: Sequence[int],
+    output: Sequence[int] = (),
+    extra_key: str | None = None,
+) -> SimulatedRequest:
+    """Run one request through `cache` as the engine does, one request at a time.
+
+    The engine matches `prompt[:-1]` (the last prompt token is always computed, to get logits)
+    and inserts `prompt + output` when the request finishes.
+    """
+    prompt = list(prompt)
+    lookup = prompt[:-1]
+    cache.prefetch(request_id, lookup, extra_key=extra_key)
+    acq = cache.acquire(lookup, extra_key=extra_key, request_id=request_id,
+                        input_tokens=len(prompt))
+    full = prompt + list(output)
+    ps = cache.page_size
+    need = len(full) // ps - len(acq.device_pages)
+    pages = list(acq.device_pages)
+    if need > 0:
+        new = cache.alloc_device(need)
+        if new is None:
+            # Not even eviction made room: the engine would retract; the simulator caches nothing.
+            cache.release(acq.node)
+            return SimulatedRequest(acq.cached_tokens, acq.device_hit_tokens,
+                                    acq.host_hit_tokens, acq.storage_hit_tokens,
+                                    len(prompt) - acq.cached_tokens)
+        pages += new
+    cache.insert(full, pages, extra_key=extra_key)
+    cache.release(acq.node)
+    return SimulatedRequest(acq.cached_tokens, acq.device_hit_tokens, acq.host_hit_tokens,
+                            acq.storage_hit_tokens, len(prompt) - acq.cached_tokens)
