@@ -1,0 +1,466 @@
+"""The scheduler: continuous batching over a `HiRadixCache` (or no prefix cache at all).
+
+Each `step()`:
+
+1. `cache.poll()` consumes finished transfers;
+2. if a waiting request can be admitted (prefetch ready, pages available), run a prefill batch of
+   up to `chunked_prefill_size` new tokens (a longer prompt continues in the next prefill step);
+3. otherwise run one decode step for every running request, retracting requests (latest arrival
+   first) when the device pool cannot give a page even after eviction.
+
+A request's page table is `pages`: its first `tree_pages` pages belong to the radix tree (pinned
+by the lock on `node`), the rest are the request's own until they are inserted or freed. A
+retracted request inserts the KV it computed, unlocks, and goes back to the front of the queue; it
+resumes from whatever of that prefix is still cached. No request fails because the pool is full:
+only a request that cannot fit in an otherwise empty pool is aborted, with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+FinishReason = dict[str, Any]
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    extra_key: str | None = None
+    arrival: float = field(default_factory=time.time)
+    output: list[int] = field(default_factory=list)
+    kv_len: int = 0  # leading tokens whose K/V is in `pages`
+    pages: list[int] = field(default_factory=list)  # page table
+    tree_pages: int = 0  # leading pages owned by the tree (pinned by `node`)
+    node: Any = None  # locked tree node (None: nothing locked)
+    cached_tokens: int = -1  # prompt tokens served by the cache at first admission
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    text: str = ""  # detokenized output so far (cut at a stop string)
+    sent_tokens: int = 0  # output tokens already reported by step()
+    first_token_time: float | None = None
+    retractions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class NoPrefixCache:
+    """The cache used with `disable_radix_cache`: a bare page allocator, nothing is ever reused."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        from hicache.stats import CacheStats
+
+        self.allocator = runner.pool.allocator
+        self.page_size = runner.pool.page_size
+        self.stats = CacheStats()
+
+    def alloc_device(self, n_pages: int) -> list[int] | None:
+        return self.allocator.alloc(n_pages)
+
+    def free_device(self, pages: list[int]) -> None:
+        self.allocator.free(pages)
+
+    def poll(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def storage_stats(self) -> None:
+        return None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: Any,
+        *,
+        caching: bool,
+        page_size: int,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        schedule_policy: str,
+        context_length: int,
+        eos_token_ids: set[int],
+        decode: Callable[[list[int], bool], str],
+        random_seed: int = 0,
+        request_log: str | None = None,
+    ) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.caching = caching
+        self.page_size = page_size
+        self.max_running = max_running_requests
+        self.chunk_size = chunked_prefill_size
+        self.policy = schedule_policy
+        self.context_length = context_length
+        self.eos_token_ids = eos_token_ids
+        self.decode_text = decode
+        self.seed_gen = torch.Generator().manual_seed(random_seed)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self.reqs: dict[str, Req] = {}
+        self.finished_updates: list[Req] = []
+        self._log = open(request_log, "a", encoding="utf-8") if request_log else None  # noqa: SIM115
+        # Totals over finished requests.
+        self.num_finished = 0
+        self.retracted_total = 0
+        self.forward_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        if req.params.temperature > 0 and not req.params.greedy:
+            seed = req.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_gen).item())
+            req.generator = torch.Generator().manual_seed(seed)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        if self.caching:
+            # Storage prefetch starts now and overlaps with the queueing time.
+            self.cache.prefetch(req.rid, req.prompt[:-1], extra_key=req.extra_key)
+
+    def abort(self, rid: str) -> bool:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+            if self.caching:
+                self.cache.cancel_prefetch(rid)
+        elif req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        self._finish(req, {"type": "abort", "message": "aborted"}, compute_tail=False)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Run one batch. Returns the requests with news (new tokens or finished)."""
+        self.cache.poll()
+        updated: list[Req] = []
+        if not self._prefill_step(updated) and self.running:
+            self._decode_step(updated)
+        updated.extend(self.finished_updates)
+        self.finished_updates = []
+        seen: set[str] = set()
+        out = []
+        for r in updated:
+            if r.rid not in seen:
+                seen.add(r.rid)
+                out.append(r)
+            if r.finished:
+                self.reqs.pop(r.rid, None)
+        return out
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def _ordered_waiting(self) -> list[Req]:
+        reqs = list(self.waiting)
+        if self.policy == "lpm" and self.caching and len(reqs) <= 256:
+            def hit(r: Req) -> int:
+                m = self.cache.match_prefix(r.tokens[:-1], extra_key=r.extra_key)
+                return int(m.device_tokens + m.host_tokens)
+
+            # Stable: equal matches keep arrival order. Retracted requests stay first.
+            reqs.sort(key=lambda r: (r.retractions == 0, -hit(r)))
+        return reqs
+
+    def _admit(self, req: Req) -> None:
+        """Lock the cached prefix of `req` and take its pages as the head of the page table."""
+        tokens = req.tokens
+        if self.caching:
+            acq = self.cache.acquire(
+                tokens[:-1],
+                extra_key=req.extra_key,
+                request_id=req.rid,
+                input_tokens=len(tokens),
+            )
+            req.node = acq.node
+            req.pages = list(acq.device_pages)
+            req.tree_pages = len(req.pages)
+            req.kv_len = int(acq.cached_tokens)
+            if req.cached_tokens < 0:
+                req.cached_tokens = req.kv_len
+        else:
+            req.pages, req.tree_pages, req.kv_len = [], 0, 0
+            if req.cached_tokens < 0:
+                req.cached_tokens = 0
+
+    def _unadmit(self, req: Req) -> None:
+        """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
+        if self.caching and req.node is not None:
+            self.cache.release(req.node)
+        req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
+
+    def _grow(self, req: Req, n_tokens: int) -> int:
+        """Make the page table cover `kv_len + k` tokens for the largest `k <= n_tokens` the pool
+        allows (halving the ask on failure). Returns k (0: not even one page)."""
+        ps = self.page_size
+        have = len(req.pages) * ps - req.kv_len
+        if have >= n_tokens:
+            return n_tokens
+        need = -(-(n_tokens - have) // ps)
+        while need > 0:
+            pages = self.cache.alloc_device(need)
+            if pages is not None:
+                req.pages.extend(pages)
+                return min(n_tokens, have + need * ps)
+            need //= 2
+        return max(0, have)
+
+    def _prefill_step(self, updated: list[Req]) -> bool:
+        budget = self.chunk_size
+        batch: list[tuple[Req, int]] = []  # (request, new tokens this step)
+        if self.chunked is not None:
+            req = self.chunked
+            n = min(len(req.tokens) - req.kv_len, budget)
+            k = self._grow(req, n)
+            if k == 0:
+                if not self.running:
+                    self._abort_unfittable(req)
+                    self.chunked = None
+                    return False
+                self._retract_one(exclude=req)
+                return False
+            batch.append((req, k))
+            budget -= k
+            self.chunked = None
+        if budget > 0 and self.waiting and len(self.running) + len(batch) < self.max_running:
+            for req in self._ordered_waiting():
+                if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
+                    break
+                if self.caching and not self.cache.prefetch_ready(req.rid):
+                    continue
+                self._admit(req)
+                n = min(len(req.tokens) - req.kv_len, budget)
+                k = self._grow(req, n)
+                if k == 0:
+                    self._unadmit(req)
+                    if not batch and not self.running and self.chunked is None:
+                        self.waiting.remove(req)
+                        self._abort_unfittable(req)
+                        continue
+                    break
+                self.waiting.remove(req)
+                batch.append((req, k))
+                budget -= k
+                if k < n:
+                    break  # a partial prompt is continued next step; nothing after it
+        if not batch:
+            return False
+        seqs = []
+        for req, k in batch:
+            seqs.append((req.tokens[req.kv_len : req.kv_len + k], req.kv_len, req.pages))
+        logits = self.runner.forward(seqs)
+        self.forward_steps += 1
+        done: list[tuple[int, Req]] = []
+        for i, (req, k) in enumerate(batch):
+            req.kv_len += k
+            if req.kv_len < len(req.tokens):
+                self.chunked = req
+                self._cache_partial(req)
+                continue
+            done.append((i, req))
+        if done:
+            toks = sample(
+                logits[[i for i, _ in done]],
+                [r.params for _, r in done],
+                [r.generator for _, r in done],
+            )
+            for (_, req), tok in zip(done, toks):
+                if req.params.max_new_tokens == 0:
+                    self._finish(req, {"type": "length", "length": 0})
+                    updated.append(req)
+                    continue
+                self.running.append(req)
+                self._append_token(req, tok)
+                updated.append(req)
+        return True
+
+    def _cache_partial(self, req: Req) -> None:
+        """Hand the full pages of a partly prefilled prompt to the tree and pin them."""
+        if not self.caching:
+            return
+        full = req.kv_len // self.page_size
+        if full <= req.tree_pages:
+            return
+        res = self.cache.insert(
+            req.tokens[: full * self.page_size], req.pages[:full], extra_key=req.extra_key
+        )
+        self.cache.lock(res.node)
+        if req.node is not None:
+            self.cache.release(req.node)
+        req.node = res.node
+        req.pages[:full] = list(res.device_pages)
+        req.tree_pages = full
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def _decode_step(self, updated: list[Req]) -> None:
+        while True:
+            ok = True
+            for req in self.running:
+                if self._grow(req, 1) == 0:
+                    ok = False
+                    break
+            if ok:
+                break
+            if len(self.running) == 1:
+                # Alone and still no page: nothing more can be freed for it.
+                req = self.running.pop()
+                self._finish(req, {"type": "abort", "message": "the KV pool cannot hold the "
+                                   "request's context"}, compute_tail=False)
+                updated.append(req)
+                return
+            self._retract_one()
+            if not self.running:
+                return
+        reqs = list(self.running)
+        seqs = [([r.tokens[r.kv_len]], r.kv_len, r.pages) for r in reqs]
+        logits = self.runner.forward(seqs)
+        self.forward_steps += 1
+        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for req, tok in zip(reqs, toks):
+            req.kv_len += 1
+            self._append_token(req, tok)
+            updated.append(req)
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        req.output.append(tok)
+        p = req.params
+        reason: FinishReason | None = None
+        if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
+            reason = {"type": "stop", "matched": tok}
+        text = self.decode_text(req.output, p.skip_special_tokens)
+        if reason is None and p.stop:
+            for s in p.stop:
+                idx = text.find(s)
+                if idx >= 0:
+                    text = text[:idx]
+                    reason = {"type": "stop", "matched": s}
+                    break
+        req.text = text
+        if reason is None and len(req.output) >= p.max_new_tokens:
+            reason = {"type": "length", "length": p.max_new_tokens}
+        if reason is None and len(req.tokens) >= self.context_length:
+            reason = {"type": "length", "length": len(req.output)}
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+
+    # ---- retraction and completion --------------------------------------------------------
+
+    def _release_pages(self, req: Req, n_tokens: int) -> None:
+        """Insert the first `n_tokens` of `req` (their K/V computed) and give back everything
+        else the request holds."""
+        ps = self.page_size
+        if self.caching:
+            full = min(n_tokens, req.kv_len) // ps
+            if full > 0:
+                self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
+            own = req.pages[max(full, req.tree_pages) :]
+            if own:
+                self.cache.free_device(own)
+            if req.node is not None:
+                self.cache.release(req.node)
+        elif req.pages:
+            self.cache.free_device(req.pages)
+        req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
+
+    def _retract_one(self, exclude: Req | None = None) -> None:
+        cands = [r for r in self.running if r is not exclude]
+        if not cands:
+            return
+        victim = max(cands, key=lambda r: (r.arrival, len(r.output)))
+        self.running.remove(victim)
+        self._release_pages(victim, victim.kv_len)
+        victim.retractions += 1
+        self.retracted_total += 1
+        self.waiting.appendleft(victim)
+        logger.info("retracted %s (%d tokens) for lack of KV pages", victim.rid, len(victim.tokens))
+
+    def _abort_unfittable(self, req: Req) -> None:
+        msg = (
+            f"request needs {len(req.tokens)} tokens of KV but the device pool holds "
+            f"{self.runner.pool.num_pages * self.page_size}"
+        )
+        logger.warning("aborting %s: %s", req.rid, msg)
+        self._release_pages(req, 0)
+        if self.caching:
+            self.cache.cancel_prefetch(req.rid)
+        self._finish(req, {"type": "abort", "message": msg}, compute_tail=False)
+
+    def _fill_tail(self, req: Req) -> int:
+        """K/V of the last output token (never fed back) so that the full pages of
+        prompt + output can be cached, as `simulate_request` assumes. Returns tokens with K/V."""
+        total = len(req.tokens)
+        if not self.caching or req.kv_len != total - 1 or total % self.page_size != 0:
+            return req.kv_len
+        if self._grow(req, 1) == 0:
+            return req.kv_len
+        self.runner.forward([([req.tokens[-1]], req.kv_len, req.pages)])
+        req.kv_len += 1
+        return req.kv_len
+
+    def _finish(self, req: Req, reason: FinishReason, compute_tail: bool = True) -> None:
+        req.finish_reason = reason
+        n = self._fill_tail(req) if compute_tail else req.kv_len
+        if req.pages or req.node is not None:
+            self._release_pages(req, n)
+        self.num_finished += 1
+        self.finished_updates.append(req)
+        if self._log is not None and reason.get("type") != "abort":
+            rec = {
+                "ts": req.arrival,
+                "rid": req.rid,
+                "input_ids": req.prompt,
+                "output_ids": req.output,
+                "extra_key": req.extra_key,
+                "cached_tokens": max(req.cached_tokens, 0),
+            }
+            self._log.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
