@@ -112,11 +112,10 @@ def redact(url: str) -> str:
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """``redis+cluster://[user:pw@]h1:p1,h2:p2/?opt=..`` -> seed nodes and client kwargs."""
     scheme, rest = url.split("://", 1)
-    auth = ""
-    if "@" in rest.split("/", 1)[0]:
-        auth, rest = rest.split("@", 1)
-    hosts, _, tail = rest.partition("/")
-    query = urllib.parse.parse_qs(tail.partition("?")[2])
+    rest, _, qs = rest.partition("?")
+    netloc = rest.partition("/")[0]
+    auth, _, hosts = netloc.rpartition("@")
+    query = urllib.parse.parse_qs(qs)
     nodes: list[tuple[str, int]] = []
     for hp in hosts.split(","):
         if not hp:
@@ -189,10 +188,11 @@ class RedisBackend(StorageBackend):
         self._kwargs: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.connect_timeout,
-            "socket_keepalive": True,
             "retry": Retry(NoBackoff(), 0),  # our Backoff retries; never stack retries here
             "max_connections": max_connections,
         }
+        if scheme != "unix":
+            self._kwargs["socket_keepalive"] = True
         if zero_copy:
             base: type[redis.connection.AbstractConnection] = redis.connection.Connection
             if scheme == "unix":
@@ -360,13 +360,21 @@ class RedisBackend(StorageBackend):
             for k in keys:
                 p.unlink(self._k(k))
 
-        res = self._run(build)  # StorageUnavailable propagates: the caller must know
+        try:
+            res = self._run(build)
+        except StorageUnavailable as e:
+            self._failed("delete", e)
+            raise  # the caller must know the pages may still be there
         self._count(deleted_pages=sum(1 for r in res if isinstance(r, int) and r > 0))
 
     def clear(self) -> None:
         """Remove every key under `key_prefix` (all nodes of a cluster)."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix) + "*"
-        self._backoff.check()
+        try:
+            self._backoff.check()
+        except StorageUnavailable as e:
+            self._failed("clear", e)
+            raise
         try:
             c = self.client()
             batch: list[bytes] = []
@@ -379,8 +387,9 @@ class RedisBackend(StorageBackend):
                 self._unlink_raw(batch)
         except TRANSIENT as e:
             self._backoff.failure(e)
-            self._count(errors=1)
+            self._failed("clear", e)
             raise StorageUnavailable(f"redis: clear failed: {e}") from e
+        self._backoff.success()
 
     def _unlink_raw(self, raw_keys: list[bytes]) -> None:
         p = self.client().pipeline(transaction=False)
