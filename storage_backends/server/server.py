@@ -211,7 +211,7 @@ class HiCacheServer:
             ident = msg[0]
             frames = msg[1:]
             envelope: list[Any] = []
-            if frames and len(frames[0]) == 0:  # a REQ client's empty delimiter
+            if len(frames) > 1 and len(frames[0]) == 0:  # a REQ client's empty delimiter
                 envelope, frames = [frames[0]], frames[1:]
             reply = self.handle([f.buffer for f in frames])
             self.sock.send_multipart([ident, *envelope, *P.encode(reply)], copy=False)
