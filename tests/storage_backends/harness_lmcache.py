@@ -1,0 +1,71 @@
+"""Contract harness for `lmcache`: a real LMCache standalone server (`lmcache_server`) on a free
+loopback port; every backend object is another client of it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import ManagedProcess, free_port, wait_for_port
+from tests.storage_backends.harness import BackendFactory, Harness, config
+
+ENV = {"LMCACHE_TRACK_USAGE": "false"}
+
+
+def lmcache_skip_reason() -> str | None:
+    try:
+        import lmcache  # noqa: F401
+    except ImportError as e:
+        return f"lmcache is not installed ({e}): pip install 'hicache[lmcache]'"
+    return None
+
+
+def server_argv(port: int) -> list[str]:
+    """`lmcache_server 127.0.0.1 PORT cpu` (the console script of lmcache 0.5.x)."""
+    script = shutil.which("lmcache_server") or str(Path(sys.executable).parent / "lmcache_server")
+    if Path(script).exists():
+        return [script, "127.0.0.1", str(port), "cpu"]
+    return [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+
+
+@contextmanager
+def lmcache_server(log_dir: Path, port: int | None = None) -> Iterator[str]:
+    """Start an LMCache server on loopback; yield its URL lm://127.0.0.1:PORT."""
+    port = port or free_port()
+    with ManagedProcess(server_argv(port), log_dir / f"lmcache_server-{port}.log", env=ENV) as p:
+        wait_for_port(port, proc=p.proc, timeout=60)
+        yield f"lm://127.0.0.1:{port}"
+
+
+@contextmanager
+def _start(tmp: Path) -> Iterator[BackendFactory]:
+    reason = lmcache_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from storage_backends.lmcache_backend import LMCacheBackend
+
+    made: list[LMCacheBackend] = []
+    with lmcache_server(tmp) as url:
+
+        def make(**extra: Any) -> LMCacheBackend:
+            b = LMCacheBackend(config({"url": url, **extra}))
+            made.append(b)
+            return b
+
+        try:
+            yield make
+        finally:
+            for b in made:
+                b.close()
+
+
+# The server cannot delete: a corrupt record is overwritten by a tombstone, and only the
+# instance that saw it stops reporting it in batch_exists (see storage_backends/lmcache_backend).
+HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache],
+                  deletes_corrupt=False)
