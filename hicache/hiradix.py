@@ -430,7 +430,7 @@ class HiRadixCache:
 
     def _load_back(self, last_dev: TreeNode, host_nodes: list[TreeNode]) -> bool:
         """host -> device for the whole host-only chain below `last_dev`; all or nothing."""
-        n = sum(len(x.host_value) for x in host_nodes)  # type: ignore[arg-type]
+        n = sum(x.num_pages for x in host_nodes)
         self.tree.inc_lock(last_dev)
         self.tree.inc_host_ref(host_nodes[-1])
         try:
@@ -569,7 +569,7 @@ class HiRadixCache:
         if not chain:
             return True
         chain.reverse()
-        n = sum(len(x.value) for x in chain)  # type: ignore[arg-type]
+        n = sum(x.num_pages for x in chain)
         # Pin the chain so host eviction below cannot touch it, then allocate.
         self.tree.inc_lock(node)
         try:

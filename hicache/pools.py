@@ -291,7 +291,7 @@ class HostKVPool:
         t = self._page_view(page)
         if not t.is_contiguous():
             t = t.contiguous()
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return t.reshape(-1).view(torch.uint8).numpy().data
 
     def set_page_payload(self, page: int, data: memoryview | bytes) -> None:
         src = np.frombuffer(data, dtype=np.uint8)

@@ -418,7 +418,7 @@ def get_backend_class(name: str) -> BackendFactory:
             f"storage backend {name!r} is installed but cannot be imported ({e}); "
             f"install its extra: pip install 'hicache[{name}]'"
         ) from e
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def create_backend(name: str, config: StorageConfig) -> StorageBackend:

@@ -1,0 +1,95 @@
+"""KV bytes survive device -> host -> storage -> host -> device bit-identical, every layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.memory_backend import MemoryBackend
+from hicache.storage import StorageConfig
+from tests.hicache.factories import tensor_cache
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def kv_of(cache, pages):
+    pool = cache.device_pool
+    return pool.kv[:, :, pool.slots(pages)].clone()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_round_trip_all_tiers(layout, io_backend, dtype, synchronous):
+    shared = f"rt-{layout}-{io_backend}-{dtype}-{synchronous}"
+    cache = tensor_cache(mem_layout=layout, io_backend=io_backend, dtype=dtype,
+                         synchronous=synchronous,
+                         storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    tokens = list(range(1000, 1024))  # 6 pages of 4
+    pool = cache.device_pool
+    pages = cache.alloc_device(6)
+    pool.kv[:, :, pool.slots(pages)] = torch.randn(pool.kv[:, :, pool.slots(pages)].shape).to(dtype)
+    original = kv_of(cache, pages)
+    cache.insert(tokens, pages)
+    cache.flush()
+    assert cache.stats.storage_backup_pages == 6
+    # Device -> host only: load back from L2.
+    assert cache.evict(1000) == 24
+    pool.kv.zero_()
+    acq = cache.acquire(tokens)
+    assert acq.host_hit_tokens == 24
+    assert torch.equal(kv_of(cache, acq.device_pages), original)
+    cache.release(acq.node)
+    # Drop L1 and L2: everything comes back from L3 through the page records.
+    cache.evict(1000)
+    cache.evict_host(1000)
+    assert list(cache.tree.nodes()) == []
+    pool.kv.zero_()
+    cache.host_pool.buffer.zero_()
+    assert cache.prefetch("r", tokens) == 24
+    cache.flush()
+    acq = cache.acquire(tokens, request_id="r")
+    assert acq.storage_hit_tokens == 24
+    assert torch.equal(kv_of(cache, acq.device_pages), original)
+    cache.release(acq.node)
+    cache.flush()
+    cache.check_integrity(0)
+    cache.close()
+
+
+def test_second_cache_reads_first_caches_pages():
+    """Two instances on one store with the same namespace share pages."""
+    shared = "two-instances"
+    a = tensor_cache(synchronous=True, storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    b = tensor_cache(synchronous=True, storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    tokens = list(range(40))
+    pages = a.alloc_device(10)
+    a.device_pool.kv[:, :, a.device_pool.slots(pages)] = torch.randn(2, 2, 40, 2, 4)
+    a.insert(tokens, pages)
+    assert b.prefetch("r", tokens) == 40
+    acq = b.acquire(tokens, request_id="r")
+    assert torch.equal(kv_of(b, acq.device_pages), kv_of(a, pages))
+    b.release(acq.node)
+
+
+def test_corrupt_l3_page_is_a_counted_miss():
+    backend = MemoryBackend(StorageConfig(extra={"shared": "corrupt"}))
+    cache = tensor_cache(synchronous=True, storage=backend)
+    tokens = list(range(16))
+    pages = cache.alloc_device(4)
+    cache.insert(tokens, pages)
+    keys = cache.storage_keys(next(iter(cache.tree.nodes())))
+    cache.evict(100)
+    cache.evict_host(100)
+    store = backend._store.data
+    raw = bytearray(store[keys[2]])
+    raw[-1] ^= 0x40
+    store[keys[2]] = bytes(raw)
+    assert cache.prefetch("r", tokens) == 16  # exists says all four are there
+    acq = cache.acquire(tokens, request_id="r")
+    assert acq.storage_hit_tokens == 8  # pages 0, 1; page 2 failed its checksum
+    assert backend.stats().corrupt_pages == 1
+    assert keys[2] not in store  # deleted
+    cache.release(acq.node)
+    cache.check_integrity(0)
