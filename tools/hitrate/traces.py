@@ -1,0 +1,362 @@
+"""Trace readers for `hicache-hitrate`.
+
+Every format is read into the same `Request` records. Two shapes exist:
+
+* block traces (`mooncake`, `lmcache`): a request is a list of block ids (prefix-chained hashes,
+  `block_size` tokens each) plus its input and output lengths. Block ids are remapped densely in
+  order of first appearance, so token ids derived from them stay small (see `simulate.py`).
+* token traces (`engine`, `chat`, `completion`): a request carries its prompt token ids (and, for
+  `engine`, its output token ids).
+
+Errors name the file and the 1-based line: `TraceError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.errors import HiCacheError
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("mooncake", "lmcache", "engine", "chat", "completion")
+
+# LMCache's dtype names -> bytes per element (for kv bytes per token from a lookup log).
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "int32": 4,
+    "int64": 8,
+}
+
+
+class TraceError(HiCacheError):
+    """A trace cannot be read: missing file, malformed line or a line of another format."""
+
+    def __init__(self, path: str | Path, line: int | None, msg: str) -> None:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {msg}")
+        self.path = str(path)
+        self.line = line
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a trace, whatever its format."""
+
+    rid: str
+    ts: float  # arrival time in seconds (0 when the trace has none)
+    input_len: int  # prompt tokens
+    output_len: int  # generated tokens
+    blocks: list[int] | None = None  # block traces: dense block ids, block_size tokens each
+    prompt: list[int] | None = None  # token traces: prompt token ids
+    output: list[int] | None = None  # engine traces: output token ids
+    extra_key: str | None = None  # tenant / cache_salt namespace
+    cached_tokens: int | None = None  # engine traces: what the engine reported
+
+
+@dataclass
+class Trace:
+    path: str
+    format: str
+    requests: list[Request]
+    block_size: int | None = None  # block traces only
+    bad_lines: int = 0
+    bad_line_numbers: list[int] = field(default_factory=list)  # the first 20
+    kv_bytes_per_token: float | None = None  # known from the trace itself (lmcache logs)
+    num_blocks: int = 0  # distinct block ids (block traces)
+
+
+def detect_format(obj: Any) -> str | None:
+    """Format of one parsed line, or None when it matches none (or more than one)."""
+    if not isinstance(obj, dict):
+        return None
+    hits = []
+    if "hash_ids" in obj:
+        hits.append("mooncake")
+    if "chunk_hashes" in obj:
+        hits.append("lmcache")
+    if "input_ids" in obj:
+        hits.append("engine")
+    if "messages" in obj:
+        hits.append("chat")
+    if "prompt" in obj and "messages" not in obj:
+        hits.append("completion")
+    return hits[0] if len(hits) == 1 else None
+
+
+def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    try:
+        fh = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise TraceError(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, None, "is a directory, not a trace file") from None
+    except OSError as e:
+        raise TraceError(path, None, f"cannot open: {e.strerror}") from None
+    with fh:
+        try:
+            for lineno, line in enumerate(fh, start=1):
+                if line.strip():
+                    yield lineno, line
+        except UnicodeDecodeError as e:
+            raise TraceError(path, None, f"not UTF-8 text ({e.reason})") from None
+
+
+def _int(obj: dict[str, Any], key: str, minimum: int = 0) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _int_list(obj: dict[str, Any], key: str, allow_empty: bool = True) -> list[int]:
+    v = obj.get(key)
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+    ):
+        raise ValueError(f"{key!r} must be a list of non-negative integers")
+    if not allow_empty and not v:
+        raise ValueError(f"{key!r} is empty")
+    return v
+
+
+class _Reader:
+    """Parses the lines of one format into `Request`s; keeps the dense block-id map."""
+
+    def __init__(
+        self, fmt: str, block_size: int, tokenizer: Any | None, add_generation_prompt: bool
+    ) -> None:
+        self.fmt = fmt
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.add_generation_prompt = add_generation_prompt
+        self.block_ids: dict[Any, int] = {}
+        self.kv_bytes_per_token: float | None = None
+        self.lm_chunk: int | None = None
+        self.parse: Callable[[dict[str, Any], int], Request] = getattr(self, f"_{fmt}")
+
+    def _dense(self, raw: list[Any]) -> list[int]:
+        ids = self.block_ids
+        out = []
+        for h in raw:
+            b = ids.get(h)
+            if b is None:
+                b = ids[h] = len(ids)
+            out.append(b)
+        return out
+
+    def _mooncake(self, obj: dict[str, Any], n: int) -> Request:
+        hashes = _int_list(obj, "hash_ids")
+        input_len = _int(obj, "input_length")
+        output_len = _int(obj, "output_length")
+        bs = self.block_size
+        if not (bs * (len(hashes) - 1) < input_len <= bs * len(hashes)) and input_len > 0:
+            raise ValueError(
+                f"input_length {input_len} does not fit {len(hashes)} blocks of {bs} tokens "
+                f"(wrong --block-size?)"
+            )
+        ts = obj.get("timestamp", 0)
+        if not isinstance(ts, (int, float)):
+            raise ValueError(f"'timestamp' must be a number, got {ts!r}")
+        return Request(
+            rid=str(obj.get("request_id", n)),
+            ts=float(ts) / 1000.0,
+            input_len=input_len,
+            output_len=output_len,
+            blocks=self._dense(hashes),
+        )
+
+    def _lmcache(self, obj: dict[str, Any], n: int) -> Request:
+        hashes = obj.get("chunk_hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, (str, int)) for h in hashes):
+            raise ValueError("'chunk_hashes' must be a list of hash strings")
+        seq_len = _int(obj, "seq_len")
+        chunk = _int(obj, "chunk_size", 1)
+        if self.lm_chunk is None:
+            self.lm_chunk = self.block_size = chunk
+        elif chunk != self.lm_chunk:
+            raise ValueError(f"chunk_size {chunk} differs from earlier lines ({self.lm_chunk})")
+        if len(hashes) * chunk > seq_len:
+            raise ValueError(f"{len(hashes)} chunks of {chunk} tokens exceed seq_len {seq_len}")
+        if self.kv_bytes_per_token is None:
+            total = 0
+            for shape, dt in zip(obj.get("shapes") or [], obj.get("dtypes") or []):
+                size = 1
+                for d in shape:
+                    size *= int(d)
+                total += size * _DTYPE_BYTES.get(str(dt), 0)
+            if total:
+                self.kv_bytes_per_token = total / chunk
+        ts = obj.get("timestamp", 0.0)
+        return Request(
+            rid=str(obj.get("request_id", n)),
+            ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+            input_len=seq_len,
+            output_len=0,
+            blocks=self._dense(hashes),
+        )
+
+    def _engine(self, obj: dict[str, Any], n: int) -> Request:
+        prompt = _int_list(obj, "input_ids", allow_empty=False)
+        output = _int_list(obj, "output_ids") if "output_ids" in obj else []
+        extra = obj.get("extra_key")
+        if extra is not None and not isinstance(extra, str):
+            raise ValueError(f"'extra_key' must be a string or null, got {extra!r}")
+        cached = obj.get("cached_tokens")
+        if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
+            raise ValueError(f"'cached_tokens' must be an integer, got {cached!r}")
+        ts = obj.get("ts", 0.0)
+        return Request(
+            rid=str(obj.get("rid", n)),
+            ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+            input_len=len(prompt),
+            output_len=len(output),
+            prompt=prompt,
+            output=output,
+            extra_key=extra,
+            cached_tokens=cached,
+        )
+
+    def _max_tokens(self, obj: dict[str, Any]) -> int:
+        for k in ("max_completion_tokens", "max_tokens"):
+            v = obj.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                return v
+        return 0
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"the {self.fmt} format needs --tokenizer PATH")
+        return self.tokenizer
+
+    def _chat(self, obj: dict[str, Any], n: int) -> Request:
+        msgs = obj.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError("'messages' must be a non-empty list of objects")
+        tok = self._need_tokenizer()
+        ids = tok.apply_chat_template(
+            msgs, tokenize=True, add_generation_prompt=self.add_generation_prompt
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self._openai(obj, n, [int(t) for t in ids])
+
+    def _completion(self, obj: dict[str, Any], n: int) -> Request:
+        p = obj.get("prompt")
+        if isinstance(p, str):
+            ids = self._need_tokenizer().encode(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            ids = p  # pre-tokenised prompt, as the OpenAI API allows
+        else:
+            raise ValueError("'prompt' must be a string or a list of token ids")
+        return self._openai(obj, n, [int(t) for t in ids])
+
+    def _openai(self, obj: dict[str, Any], n: int, ids: list[int]) -> Request:
+        if not ids:
+            raise ValueError("prompt tokenises to nothing")
+        salt = obj.get("cache_salt")
+        return Request(
+            rid=str(obj.get("request_id", obj.get("user", n))) if "request_id" in obj else str(n),
+            ts=0.0,
+            input_len=len(ids),
+            output_len=self._max_tokens(obj),
+            prompt=ids,
+            extra_key=salt if isinstance(salt, str) else None,
+        )
+
+
+def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer from a local directory (or hub id, where reachable)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def read_trace(
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    block_size: int = 512,
+    tokenizer: Any | None = None,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+    add_generation_prompt: bool = True,
+) -> Trace:
+    """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
+
+    A line that is not JSON, or not a valid record of the format, raises `TraceError` naming the
+    file and line, unless `skip_bad_lines` (then it is counted in `Trace.bad_lines`).
+    """
+    path = Path(path)
+    if fmt != "auto" and fmt not in FORMATS:
+        raise TraceError(path, None, f"unknown format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    reader: _Reader | None = None
+    requests: list[Request] = []
+    bad = 0
+    bad_numbers: list[int] = []
+
+    def reject(lineno: int, msg: str) -> None:
+        nonlocal bad
+        if not skip_bad_lines:
+            raise TraceError(path, lineno, msg)
+        bad += 1
+        if len(bad_numbers) < 20:
+            bad_numbers.append(lineno)
+        logger.debug("%s:%d: skipped: %s", path, lineno, msg)
+
+    for lineno, line in _iter_lines(path):
+        if limit is not None and len(requests) >= limit:
+            break
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            reject(lineno, f"malformed JSON ({e.msg} at column {e.colno})")
+            continue
+        if reader is None:
+            detected = detect_format(obj)
+            use = fmt if fmt != "auto" else detected
+            if use is None:
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                reject(
+                    lineno,
+                    f"cannot detect the trace format from this line (keys {keys}); "
+                    f"pass --format ({', '.join(FORMATS)})",
+                )
+                continue
+            reader = _Reader(use, block_size, tokenizer, add_generation_prompt)
+        if not isinstance(obj, dict):
+            reject(lineno, f"expected a JSON object, got {type(obj).__name__}")
+            continue
+        detected = detect_format(obj)
+        if detected is not None and detected != reader.fmt:
+            reject(lineno, f"looks like a {detected} record, not {reader.fmt}")
+            continue
+        try:
+            requests.append(reader.parse(obj, len(requests)))
+        except (ValueError, TypeError, KeyError) as e:
+            reject(lineno, f"bad {reader.fmt} record: {e}")
+    if reader is None:
+        if bad:
+            raise TraceError(path, None, f"no valid line ({bad} bad lines skipped)")
+        raise TraceError(path, None, "empty trace")
+    block_fmt = reader.fmt in ("mooncake", "lmcache")
+    return Trace(
+        path=str(path),
+        format=reader.fmt,
+        requests=requests,
+        block_size=reader.block_size if block_fmt else None,
+        bad_lines=bad,
+        bad_line_numbers=bad_numbers,
+        kv_bytes_per_token=reader.kv_bytes_per_token,
+        num_blocks=len(reader.block_ids),
+    )
