@@ -11,6 +11,10 @@ A target whose `baseline_of` names another target is that target's raw baseline 
 `file-raw` for `file`: plain write/readinto of the same bytes); the benchmark reports the
 backend's throughput as a ratio of its baseline measured in the same run.
 
+A target may also carry the mark ``"vs:<other>"``: the benchmark then reports its ratio to
+target ``<other>`` too (used by diagnostic targets such as ``file-io``, the backend's raw I/O
+path without the record validation every `batch_get` does).
+
 To add a backend: drop a module here with `TARGETS = [Target("mybackend", start), ...]`;
 `discover_targets()` picks it up, nothing else to edit.
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from hicache.errors import StorageError
-from hicache.storage import StorageBackend
+from hicache.storage import StorageBackend, StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,15 @@ class Client(Protocol):
 
 
 ClientFactory = Callable[[], Client]
+
+# The namespace the benchmark encodes its page records with; hicache backends built for it must
+# use `bench_config()` so that batch_get accepts the records.
+BENCH_NAMESPACE = bytes(32)
+
+
+def bench_config(extra: dict[str, object] | None = None) -> StorageConfig:
+    """A StorageConfig for a backend under benchmark (namespace = BENCH_NAMESPACE)."""
+    return StorageConfig(extra=dict(extra or {}), namespace=BENCH_NAMESPACE.hex())
 
 
 @dataclass(frozen=True)
@@ -86,10 +99,21 @@ class BackendClient:
         self.backend.close()
 
 
+class UnverifiedBackendClient(BackendClient):
+    """Diagnostic: reads through the backend's raw `_get_into`, skipping the validation
+    (`verify_record`: CRC32 over the record) that `batch_get` adds. Never use outside a
+    benchmark: it hands back records nobody checked."""
+
+    def get(self, keys: list[str], out: list[memoryview]) -> int:
+        lengths = self.backend._get_into(keys, out)
+        return sum(1 for n, o in zip(lengths, out) if n == len(o))
+
+
 def discover_targets(names: Sequence[str] | None = None) -> list[Target]:
     """Every `TARGETS` entry of every module in this package (sorted by name).
 
-    `names`: keep only these targets plus their baselines. A module that fails to import (a
+    `names`: keep only these targets, their baselines and their variants (targets named
+    ``<name>-<variant>``, e.g. ``file-io``). A module that fails to import (a
     backend whose package is not installed) is skipped with a warning.
     """
     found: list[Target] = []
@@ -110,5 +134,8 @@ def discover_targets(names: Sequence[str] | None = None) -> list[Target]:
             raise ValueError(
                 f"unknown target(s) {sorted(unknown)}; known: {[t.name for t in found]}"
             )
-        found = [t for t in found if t.name in wanted or t.baseline_of in wanted]
+        found = [
+            t for t in found
+            if t.name in wanted or t.baseline_of in wanted or t.name.split("-")[0] in wanted
+        ]
     return found
