@@ -5,10 +5,11 @@ One Redis string per page, named ``<key_prefix><page key>``; the record is self-
 cluster each page's single key lands on its own slot, which spreads pages over every node.
 (A hash tag would pin *all* pages to one slot, i.e. one node.)
 
-Every batch is one pipeline, i.e. one round trip (one per node in a cluster, sent to all nodes
-before any reply is read): ``EXISTS`` per key for `batch_exists` (the leading run is computed
-locally), ``GET`` per key for reads, ``SET [PX ttl]`` per key for writes, ``UNLINK`` per key
-for deletes.
+Every batch is one round trip (one per node in a cluster, sent to all nodes before any reply
+is read): `batch_exists` is one ``EVALSHA`` of a tiny Lua script that returns the leading run
+(on a cluster, where one script cannot touch keys of many slots: a pipeline of ``EXISTS``, the
+run computed locally); reads are a pipeline of ``GET``, writes of ``SET [PX ttl]``, deletes of
+``UNLINK``.
 
 Failure behaviour: a connection error or timeout makes the whole batch a miss (`batch_exists`
 -> 0, `batch_get` -> all False, `batch_set` -> all False), counted in `stats().errors`, and opens
@@ -47,7 +48,7 @@ import re
 import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import redis
 import redis.connection
@@ -75,6 +76,12 @@ KNOWN_KEYS = (
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _CLEAR_CHUNK = 1000
+# batch_exists on a single node: the length of the leading run of KEYS present.
+_LEADING_RUN_LUA = (
+    "for i, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 0 then return i - 1 end end "
+    "return #KEYS"
+)
+T = TypeVar("T")
 
 # Failures that mean "Redis is not reachable now": retried with back-off, pages are misses.
 TRANSIENT: tuple[type[BaseException], ...] = (
@@ -99,9 +106,13 @@ def _zero_copy_class(base: type[redis.connection.AbstractConnection]) -> type | 
             return packer
         return serializer(self._buffer_cutoff, self.encoder.encode)
 
-    return type(f"ZeroCopy{base.__name__}", (base,), {
-        "_construct_command_packer": _construct_command_packer,
-    })
+    return type(
+        f"ZeroCopy{base.__name__}",
+        (base,),
+        {
+            "_construct_command_packer": _construct_command_packer,
+        },
+    )
 
 
 def redact(url: str) -> str:
@@ -175,7 +186,8 @@ class RedisBackend(StorageBackend):
         if self.cluster and "{" in self.key_prefix:
             logger.warning(
                 "redis backend: key_prefix %r has a hash tag: every page maps to one slot "
-                "(one node) of the cluster", self.key_prefix
+                "(one node) of the cluster",
+                self.key_prefix,
             )
         self._prefix_b = self.key_prefix.encode()
         self._backoff = Backoff(
@@ -185,6 +197,7 @@ class RedisBackend(StorageBackend):
         )
         self._client_lock = threading.Lock()
         self._client: Any = None
+        self._leading_run_script: Any = None
         self._kwargs: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.connect_timeout,
@@ -204,8 +217,11 @@ class RedisBackend(StorageBackend):
                 self._kwargs["connection_class"] = cls
         logger.info(
             "redis backend: %s%s, prefix %r, ttl %s, timeout %.1fs",
-            redact(self.url), " (cluster)" if self.cluster else "", self.key_prefix,
-            self.ttl_s or "none", self.socket_timeout,
+            redact(self.url),
+            " (cluster)" if self.cluster else "",
+            self.key_prefix,
+            self.ttl_s or "none",
+            self.socket_timeout,
         )
 
     # -- connection -----------------------------------------------------------------------
@@ -237,13 +253,11 @@ class RedisBackend(StorageBackend):
             )
         return RedisCluster.from_url(self.url, **kwargs)
 
-    def _run(self, build: Callable[[Any], None]) -> list[Any]:
-        """One pipelined round trip under the breaker. Raises StorageUnavailable."""
+    def _call(self, fn: Callable[[Any], T]) -> T:
+        """`fn(client)` (one round trip) under the breaker. Raises StorageUnavailable."""
         self._backoff.check()
         try:
-            pipe = self.client().pipeline(transaction=False)
-            build(pipe)
-            results: list[Any] = pipe.execute(raise_on_error=False)
+            result = fn(self.client())
         except TRANSIENT as e:
             self._backoff.failure(e)
             if self.cluster:
@@ -252,13 +266,23 @@ class RedisBackend(StorageBackend):
         except BaseException:
             self._backoff.success()  # the server answered; the error is ours
             raise
-        # A connection error of one command (one cluster node) is as bad as the whole batch.
-        for r in results:
-            if isinstance(r, TRANSIENT):
-                self._backoff.failure(r)
-                raise StorageUnavailable(f"redis: {r}") from r
         self._backoff.success()
-        return results
+        return result
+
+    def _run(self, build: Callable[[Any], None]) -> list[Any]:
+        """One pipelined round trip of the commands `build(pipe)` queues."""
+
+        def execute(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            build(pipe)
+            results: list[Any] = pipe.execute(raise_on_error=False)
+            # A connection error of one command (one cluster node) fails the whole batch.
+            for r in results:
+                if isinstance(r, TRANSIENT):
+                    raise r
+            return results
+
+        return self._call(execute)
 
     def _reset_cluster(self) -> None:
         # After a cluster-level failure rebuild the client on the next call, so a restarted
@@ -284,17 +308,26 @@ class RedisBackend(StorageBackend):
         self._count(exists_calls=1)
         if not keys:
             return 0
-
-        def build(p: Any) -> None:
-            for k in keys:
-                p.exists(self._k(k))
-
+        rkeys = [self._k(k) for k in keys]
         try:
-            res = self._run(build)
+            if self.cluster:
+                # Keys of one batch live on many slots: one EXISTS each, pipelined per node.
+                def build(p: Any) -> None:
+                    for k in rkeys:
+                        p.exists(k)
+
+                res = self._run(build)
+                return leading_run([isinstance(r, int) and r > 0 for r in res])
+            # One EVALSHA: the server walks the keys and stops at the first missing one.
+            return int(self._call(lambda c: self._exists_script(c)(keys=rkeys)))
         except StorageUnavailable as e:
             self._failed("exists", e)
             return 0
-        return leading_run([isinstance(r, int) and r > 0 for r in res])
+
+    def _exists_script(self, client: Any) -> Any:
+        if self._leading_run_script is None:
+            self._leading_run_script = client.register_script(_LEADING_RUN_LUA)
+        return self._leading_run_script
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
         def build(p: Any) -> None:
@@ -347,9 +380,7 @@ class RedisBackend(StorageBackend):
             else:
                 ok.append(bool(r))
                 written += len(v) if r else 0
-        self._count(
-            set_pages=len(keys), set_failures=ok.count(False), bytes_written=written
-        )
+        self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
         return ok
 
     def delete(self, keys: Sequence[str]) -> None:
