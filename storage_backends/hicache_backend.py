@@ -11,7 +11,7 @@ key              meaning                                           default
                  is dropped and the call degrades to a miss
 ``batch_keys``   most keys in one request (a larger batch is       256
                  split and the parts are pipelined)
-``batch_bytes``  most record bytes in one set request              33554432 (32 MiB)
+``batch_bytes``  most record bytes in one request (get or set)      8388608 (8 MiB)
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -64,7 +64,7 @@ class HiCacheServerBackend(StorageBackend):
         self._token = setting(config, "auth_token", "", env="HICACHE_SERVER_AUTH_TOKEN", cast=str)
         self.timeout_ms = setting(config, "timeout_ms", 2000)
         self.batch_keys = setting(config, "batch_keys", 256)
-        self.batch_bytes = setting(config, "batch_bytes", 32 << 20)
+        self.batch_bytes = setting(config, "batch_bytes", 8 << 20)
         if self.timeout_ms <= 0 or self.batch_keys <= 0 or self.batch_bytes <= 0:
             raise ConfigError("hicache backend: timeout_ms, batch_keys, batch_bytes must be > 0")
         self._ctx = zmq.Context(io_threads=1)
@@ -188,8 +188,22 @@ class HiCacheServerBackend(StorageBackend):
         else:
             logger.debug("hicache backend: %s failed: %s", op, e)
 
-    def _chunks(self, n: int) -> list[range]:
-        return [range(i, min(n, i + self.batch_keys)) for i in range(0, n, self.batch_keys)]
+    def _chunks(self, n: int, sizes: Sequence[int] | None = None) -> list[range]:
+        """Split n keys into requests of at most `batch_keys` keys and (when the record sizes
+        are known) about `batch_bytes` bytes. Smaller requests pipeline: the server works on
+        one while the next is still on the wire."""
+        out: list[range] = []
+        start = 0
+        size = 0
+        for i in range(n):
+            rec = sizes[i] if sizes is not None else 0
+            if i > start and (i - start >= self.batch_keys or size + rec > self.batch_bytes):
+                out.append(range(start, i))
+                start, size = i, 0
+            size += rec
+        if n > start:
+            out.append(range(start, n))
+        return out
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -213,7 +227,7 @@ class HiCacheServerBackend(StorageBackend):
         return run
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
-        chunks = self._chunks(len(keys))
+        chunks = self._chunks(len(keys), [byte_view(o).nbytes for o in out])
         try:
             replies = self._call(
                 [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks], P.GetReply

@@ -32,6 +32,7 @@ SERVER_VERSION = "0.1.0"
 AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
 DEFAULT_PORT = 7480
 DEFAULT_MAX_FRAME = 64 << 20
+_KEEP_FRAME_BYTES = 64 << 10
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -67,6 +68,7 @@ class ServerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     max_keys: int = 65536
     metrics_port: int | None = None
+    io_threads: int = 2
 
 
 class _Metrics:
@@ -135,7 +137,7 @@ class HiCacheServer:
             )
         self._token = config.auth_token.encode() if config.auth_token else None
         self._stop = threading.Event()
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A hard cap far above --max-frame-bytes: frames between the two get an error reply,
@@ -213,7 +215,7 @@ class HiCacheServer:
             envelope: list[Any] = []
             if len(frames) > 1 and len(frames[0]) == 0:  # a REQ client's empty delimiter
                 envelope, frames = [frames[0]], frames[1:]
-            reply = self.handle([f.buffer for f in frames])
+            reply = self.handle(frames)
             self.sock.send_multipart([ident, *envelope, *P.encode(reply)], copy=False)
 
     def _shutdown(self) -> None:
@@ -230,8 +232,9 @@ class HiCacheServer:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def handle(self, frames: Sequence[memoryview]) -> P.Reply:
-        """Answer one request (its frames after the routing envelope). Never raises."""
+    def handle(self, frames: Sequence[Any]) -> P.Reply:
+        """Answer one request (its frames after the routing envelope: `zmq.Frame`s or any
+        buffers). Never raises."""
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         op = "invalid"
@@ -258,7 +261,7 @@ class HiCacheServer:
         logger.debug("error reply %s: %s", code, message)
         return P.ErrorReply(request_id=request_id, code=code, message=message)
 
-    def _check_frames(self, frames: Sequence[memoryview]) -> None:
+    def _check_frames(self, frames: Sequence[Any]) -> None:
         limit = self.config.max_frame_bytes
         if len(frames) > self.config.max_keys + 1:
             raise P.ProtocolError(
@@ -267,11 +270,12 @@ class HiCacheServer:
                 P.peek_request_id(frames[0]),
             )
         for i, f in enumerate(frames):
-            if f.nbytes > limit:
+            n = len(f)
+            if n > limit:
                 rid = P.peek_request_id(frames[0]) if i > 0 else 0
                 raise P.ProtocolError(
                     P.ErrorCode.TOO_LARGE,
-                    f"frame {i} is {f.nbytes} bytes; --max-frame-bytes is {limit}",
+                    f"frame {i} is {n} bytes; --max-frame-bytes is {limit}",
                     rid,
                 )
 
@@ -366,6 +370,11 @@ class HiCacheServer:
         return ok
 
     def _set(self, rid: int, keys: list[str], frames: list[Any]) -> P.SetReply:
+        # NOTE: a large received frame is stored as is (a zmq.Frame: replies send it again with
+        # no copy, by reference count). A small one is copied out: ZeroMQ may carve small
+        # messages out of a shared receive buffer, which a kept frame would pin, so the bytes
+        # held would exceed the bytes counted against --capacity.
+        frames = [bytes(f) if len(f) < _KEEP_FRAME_BYTES else f for f in frames]
         # One wait budget per request for room in a full write-behind queue (back pressure).
         deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
         stored = [
@@ -468,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most keys in one request (default %(default)s)",
     )
     p.add_argument(
+        "--io-threads",
+        type=int,
+        default=2,
+        help="ZeroMQ I/O threads (socket reads and writes run there, outside the GIL); more "
+        "help with many clients moving large pages (default %(default)s)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -501,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_frame_bytes=args.max_frame_bytes,
         max_keys=args.max_keys,
         metrics_port=args.metrics_port,
+        io_threads=args.io_threads,
     )
     server = HiCacheServer(config)
 

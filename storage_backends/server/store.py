@@ -1,7 +1,7 @@
 """The server's memory tier: opaque page records by key, a byte capacity, LRU eviction.
 
-Values are kept as the buffers they arrived in (a received ZeroMQ frame's memoryview), so a
-stored page is never copied on its way in or out.
+Large values are kept as the buffers they arrived in (a received `zmq.Frame`), so a stored page
+is never copied on its way in or out.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
-Value = Union[bytes, bytearray, memoryview]
+# bytes, or any object with the buffer protocol and a byte length (a received zmq.Frame).
+Value = Union[bytes, bytearray, memoryview, Any]
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,48 @@
+"""`hicache` backend against a real `hicache-server` started on a free loopback port (or an
+existing one: HICACHE_BENCH_HICACHE_URL, with HICACHE_BENCH_HICACHE_TOKEN if it wants one).
+
+The server's memory capacity is HICACHE_BENCH_HICACHE_CAPACITY (default 8GiB): keep it above the
+benchmark's working set, or the numbers include evictions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks.storage_targets import BackendClient, Client, ClientFactory, Target, bench_config
+
+
+@contextmanager
+def _server(tmp: Path) -> Iterator[tuple[str, str | None]]:
+    url = os.environ.get("HICACHE_BENCH_HICACHE_URL")
+    if url:
+        yield url, os.environ.get("HICACHE_BENCH_HICACHE_TOKEN")
+        return
+    from tests.storage_backends.hicache_server_proc import hicache_server
+
+    capacity = os.environ.get("HICACHE_BENCH_HICACHE_CAPACITY", "8GiB")
+    tmp.mkdir(parents=True, exist_ok=True)
+    with hicache_server(tmp, capacity=capacity, args=["--log-level", "WARNING"]) as srv:
+        yield srv.url, None
+
+
+@contextmanager
+def _start(tmp: Path) -> Iterator[ClientFactory]:
+    from storage_backends.hicache_backend import HiCacheServerBackend
+
+    with _server(tmp / "hicache") as (url, token):
+
+        def make() -> Client:
+            extra: dict[str, Any] = {"url": url, "timeout_ms": 30000}
+            if token:
+                extra["auth_token"] = token
+            return BackendClient(HiCacheServerBackend(bench_config(extra)))
+
+        yield make
+
+
+TARGETS = [Target("hicache", _start)]
