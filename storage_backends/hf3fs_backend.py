@@ -216,7 +216,9 @@ class HF3FSBackend(StorageBackend):
                 conn = sqlite3.connect(
                     self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
                 )
-                conn.execute("PRAGMA synchronous=FULL")
+                # NORMAL: a committed index survives a process crash; FULL (with `fsync`)
+                # survives power loss too, at an fsync per transaction.
+                conn.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
             except sqlite3.Error as e:
                 raise StorageError(f"hf3fs: cannot open index {self._db_path}: {e}") from e
             self._local.conn = conn
@@ -224,10 +226,13 @@ class HF3FSBackend(StorageBackend):
                 self._conns.append(conn)
         return conn
 
-    def _write_txn(self, fn: Any) -> Any:
-        """Run `fn(conn)` inside `BEGIN IMMEDIATE` (the index's cross-process write lock)."""
+    def _write_txn(self, fn: Any, durable: bool = True) -> Any:
+        """Run `fn(conn)` inside `BEGIN IMMEDIATE` (the index's cross-process write lock).
+        `durable=False` skips the sync at commit (for LRU access times, which may be lost)."""
         conn = self._db()
         try:
+            if not durable:
+                conn.execute("PRAGMA synchronous=OFF")
             conn.execute("BEGIN IMMEDIATE")
             try:
                 result = fn(conn)
@@ -235,6 +240,8 @@ class HF3FSBackend(StorageBackend):
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+            if not durable:
+                conn.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
         except sqlite3.Error as e:
             self._count(errors=1)
             raise StorageError(f"hf3fs: index update failed: {e}") from e
@@ -384,7 +391,7 @@ class HF3FSBackend(StorageBackend):
                         [now, *part],
                     )
 
-            self._write_txn(touch)
+            self._write_txn(touch, durable=False)
         return result
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
@@ -398,16 +405,25 @@ class HF3FSBackend(StorageBackend):
             if len(v) <= self.slot_bytes and k not in seen:
                 todo.append(i)
                 seen.add(k)
-        present = self._lookup([keys[i] for i in todo], "slot")
-        for i in list(todo):
-            if keys[i] in present:  # records of a key are identical: nothing to write
-                ok[i] = True
-        todo = [i for i in todo if keys[i] not in present]
+        present = self._lookup([keys[i] for i in todo], "length")
+        stale: list[str] = []  # stored with another length: replaced
+        for i in todo:
+            if keys[i] in present:
+                if present[keys[i]][0] == len(views[i]):
+                    ok[i] = True  # records of a key are identical: nothing to write
+                else:
+                    stale.append(keys[i])
+        todo = [i for i in todo if not ok[i]]
         evicted = 0
 
         def reserve(c: sqlite3.Connection) -> list[int]:
             nonlocal evicted
             slots: list[int] = []
+            for key in stale:
+                row = c.execute("SELECT file, slot FROM pages WHERE key = ?", (key,)).fetchone()
+                if row is not None:
+                    c.execute("DELETE FROM pages WHERE key = ?", (key,))
+                    c.execute("INSERT OR IGNORE INTO free VALUES (?, ?)", row)
             need = len(todo)
             rows = c.execute(
                 "SELECT slot FROM free WHERE file = ? LIMIT ?", (self.file, need)

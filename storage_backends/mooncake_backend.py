@@ -6,7 +6,7 @@ non-zero `global_segment_size`, or a dedicated `mooncake_store_service`), locate
 transfer engine (TCP here; RDMA on hosts with RDMA NICs).
 
 Buffers: our `StorageBackend` API hands over memoryviews that can live anywhere, while Mooncake's
-zero-copy `batch_put_from` / `batch_get_into` need memory registered with the transfer engine.
+zero-copy `batch_upsert_from` / `batch_get_into` need memory registered with the transfer engine.
 Registration is costly (with RDMA it pins and maps pages), so it must not happen per call. The
 backend therefore keeps `staging_buffers` registered staging buffers of `staging_bytes` each,
 registered once at start-up, and copies records in/out of them (one memcpy per page, far below
@@ -229,7 +229,9 @@ class MooncakeBackend(StorageBackend):
                 direct.append(i)
             else:
                 staged.append(i)
-        op = self._store.batch_put_from if put else self._store.batch_get_into
+        # NOTE: upsert, not put: a put of an existing key is a no-op in Mooncake, which would
+        # keep a stale or damaged object of that key forever.
+        op = self._store.batch_upsert_from if put else self._store.batch_get_into
         if direct:
             codes = op([keys[i] for i in direct], [addrs[i] for i in direct],
                        [len(views[i]) for i in direct])
@@ -315,8 +317,8 @@ class MooncakeBackend(StorageBackend):
         ok = [c == 0 for c in codes]
         if not any(ok):
             # Usually "no space" (-200: every segment full and nothing evictable yet).
-            logger.debug("mooncake: batch_put_from codes %s", sorted(set(codes)))
-            self._check_health("batch_put_from", codes)
+            logger.debug("mooncake: batch_upsert_from codes %s", sorted(set(codes)))
+            self._check_health("batch_upsert_from", codes)
         self._backoff.success()
         self._count(
             set_pages=len(keys),

@@ -171,3 +171,15 @@ def test_usrbio_is_not_importable_here(tmp_path: Path) -> None:
         assert b._usrbio is None  # POSIX fallback on this machine
     with pytest.raises(ConfigError, match="usrbio"):
         make(tmp_path, use_usrbio=True)
+
+
+def test_setting_a_key_with_another_length_replaces_it(tmp_path: Path) -> None:
+    with make(tmp_path) as b:
+        assert b.batch_set([key(1)], [memoryview(bytearray(500))]) == [True]
+        assert b.batch_set([key(1)], [memoryview(record(1))]) == [True]
+        out = buffers(1)
+        assert b.batch_get([key(1)], out) == [True]
+        assert bytes(out[0]) == bytes(record(1))
+        assert b.stats().stored_pages == 1
+        # The old slot was freed and taken again: one slot used in all.
+        assert b._db().execute("SELECT hwm FROM files").fetchone() == (1,)
