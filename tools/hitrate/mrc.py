@@ -68,6 +68,8 @@ class StackResult:
     reuse_pages_at: dict[int, int] = field(default_factory=dict)  # distance -> pages hit
     cold_pages: int = 0  # lookup pages never seen before
     max_pages: int = 0  # the most distinct pages ever live (unbounded cache size)
+    # keep_distances=True: per request, the stack distance of each cached lookup page.
+    distances: list[list[int]] | None = None
 
     def curve(self) -> tuple[list[int], list[int], list[int]]:
         """(distances ascending, cumulative hit tokens, cumulative hit requests)."""
@@ -103,7 +105,12 @@ class StackResult:
 
 
 def stack_distances(
-    reqs: Iterable[PagedRequest], page_size: int, *, order: str = "tree", total_pages: int = 0
+    reqs: Iterable[PagedRequest],
+    page_size: int,
+    *,
+    order: str = "tree",
+    total_pages: int = 0,
+    keep_distances: bool = False,
 ) -> StackResult:
     """One pass of LRU stack distances over page paths (see the module docstring)."""
     if order not in ("tree", "flat"):
@@ -116,16 +123,22 @@ def stack_distances(
     res = StackResult(page_size, sum(r.input_len for r in reqs), len(reqs))
     tok_at, req_at, reuse_at = res.hit_tokens_at, res.hit_requests_at, res.reuse_pages_at
     ps = page_size
+    if keep_distances:
+        res.distances = []
     for r in reqs:
         pages, L = r.pages, r.input_len
         running = 0
         prev_tokens = 0
+        ds: list[int] = []
+        if res.distances is not None:
+            res.distances.append(ds)
         for i in range(r.n_lookup):
             t = last.get(pages[i])
             if t is None:
                 res.cold_pages += r.n_lookup - i
                 break
             d = fw.suffix(t) + 1
+            ds.append(d)
             reuse_at[d] = reuse_at.get(d, 0) + 1
             if order == "flat":
                 running = d if d > running else running

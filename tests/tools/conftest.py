@@ -1,0 +1,40 @@
+"""Factories for the hit-rate tool tests: small traces written as JSON lines."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def mooncake_rows(
+    reqs: Sequence[tuple[Sequence[int], int]], block_size: int, output: int = 0
+) -> list[dict[str, Any]]:
+    """One Mooncake record per (hash_ids, input_length); input_length 0 means full blocks."""
+    return [
+        {
+            "timestamp": i,
+            "input_length": n or block_size * len(h),
+            "output_length": output,
+            "hash_ids": list(h),
+        }
+        for i, (h, n) in enumerate(reqs)
+    ]
+
+
+@pytest.fixture
+def mooncake_trace() -> Path:
+    if not MOONCAKE_TRACE.exists():
+        pytest.skip(f"the shared Mooncake trace is absent ({MOONCAKE_TRACE})")
+    return MOONCAKE_TRACE
