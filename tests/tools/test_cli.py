@@ -1,0 +1,284 @@
+"""`hicache-hitrate` end to end: flags, JSON keys, plot, bad input, the reference figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tools.conftest import REPO, mooncake_rows, write_jsonl
+from tools.hitrate.cli import build_parser, kv_bytes_from_model, main, parse_size
+
+FLAGS = [
+    "--format",
+    "--block-size",
+    "--tokenizer",
+    "--limit",
+    "--skip-bad-lines",
+    "--ignore-output",
+    "--page-size",
+    "--device",
+    "--host",
+    "--storage",
+    "--kv-bytes-per-token",
+    "--model-path",
+    "--kv-dtype",
+    "--eviction-policy",
+    "--eviction-policy-config",
+    "--write-policy",
+    "--prefetch-policy",
+    "--prefetch-threshold",
+    "--load-back-threshold",
+    "--mrc",
+    "--mrc-points",
+    "--target",
+    "--no-opt",
+    "--prefill-tokens-per-s",
+    "--host-bandwidth",
+    "--storage-bandwidth",
+    "--json",
+    "--plot",
+    "--no-progress",
+    "--verbose",
+]
+
+TOP_KEYS = [
+    "schema",
+    "trace",
+    "config",
+    "result",
+    "unbounded",
+    "opt",
+    "savings",
+    "reuse_distance",
+    "sharing",
+    "mrc",
+    "engine",
+    "timing",
+    "notes",
+]
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    reqs = [([0, 1], 0), ([0, 2], 0), ([0, 1, 3], 0), ([0, 2], 20), ([0, 1, 3, 4], 0)]
+    return write_jsonl(tmp_path / "small.jsonl", mooncake_rows(reqs, 16, output=3))
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main([*argv, "--json", "--no-progress"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_help_mentions_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    parser_flags = {s for a in build_parser()._actions for s in a.option_strings if s[:2] == "--"}
+    assert set(FLAGS) | {"--help"} == parser_flags
+    for flag in FLAGS:
+        assert flag in text, flag
+
+
+def test_docs_describe_every_flag() -> None:
+    doc = (REPO / "docs" / "hitrate.md").read_text()
+    for flag in FLAGS:
+        assert f"`{flag}" in doc, flag
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == ("bytes", 2 * 2**30)
+    assert parse_size("500MB") == ("bytes", 500e6)
+    assert parse_size("4096") == ("tokens", 4096)
+    assert parse_size("2M") == ("tokens", 2e6)
+    assert parse_size("64p") == ("pages", 64)
+    assert parse_size("unbounded") is None
+    with pytest.raises(ValueError, match="bad size"):
+        parse_size("lots")
+
+
+def test_kv_bytes_from_model(tmp_path: Path) -> None:
+    cfg = {
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "hidden_size": 2048,
+        "head_dim": 128,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert kv_bytes_from_model(str(tmp_path)) == 2 * 28 * 8 * 128 * 2
+    assert kv_bytes_from_model(str(tmp_path), "float8_e4m3fn") == 2 * 28 * 8 * 128
+
+
+def test_json_keys_and_values(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(
+        capsys,
+        [
+            str(small),
+            "--block-size",
+            "16",
+            "--device",
+            "4p",
+            "--mrc",
+            "--target",
+            "0.2",
+            "--prefill-tokens-per-s",
+            "1000",
+        ],
+    )
+    assert list(doc) == TOP_KEYS
+    assert doc["schema"] == "hicache-hitrate/1"
+    res = doc["result"]
+    for k in [
+        "requests",
+        "input_tokens",
+        "hit_tokens",
+        "miss_tokens",
+        "hit_rate",
+        "device_hit_tokens",
+        "host_hit_tokens",
+        "storage_hit_tokens",
+        "device_hit_rate",
+        "host_hit_rate",
+        "storage_hit_rate",
+        "hit_requests",
+        "request_hit_rate",
+        "capped_tokens",
+        "cache_stats",
+    ]:
+        assert k in res, k
+    assert res["requests"] == 5 and res["input_tokens"] == 32 + 32 + 48 + 20 + 64
+    assert doc["config"]["device_pages"] == 4 and doc["config"]["page_size"] == 16
+    assert set(doc["unbounded"]) == {
+        "hit_tokens",
+        "hit_rate",
+        "hit_requests",
+        "request_hit_rate",
+        "pages",
+    }
+    assert doc["unbounded"]["hit_tokens"] == 16 + 32 + 20 + 48  # r3 is capped at its 20 tokens
+    assert doc["opt"]["capacity_pages"] == 4
+    assert res["hit_tokens"] <= doc["opt"]["hit_tokens"] <= doc["unbounded"]["hit_tokens"]
+    assert doc["savings"]["prefill_seconds_saved"] == res["hit_tokens"] / 1000
+    pts = doc["mrc"]["points"]
+    assert set(pts[0]) == {
+        "capacity_pages",
+        "capacity_tokens",
+        "capacity_bytes",
+        "hit_tokens",
+        "hit_rate",
+        "miss_ratio",
+        "request_hit_rate",
+    }
+    assert [p["hit_tokens"] for p in pts] == sorted(p["hit_tokens"] for p in pts)
+    assert pts[-1]["hit_tokens"] == doc["unbounded"]["hit_tokens"]
+    tg = doc["mrc"]["target"]
+    assert tg["hit_rate"] == 0.2 and tg["capacity_pages"] is not None
+    assert set(doc["sharing"]) >= {"shared_prefix_tokens", "shared_prefix_ratio"}
+
+
+def test_bytes_need_kv_size(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(small), "--block-size", "16", "--device", "1GiB"]) == 2
+    assert "--kv-bytes-per-token" in capsys.readouterr().err
+    doc = run_json(
+        capsys,
+        [str(small), "--block-size", "16", "--device", "64KiB", "--kv-bytes-per-token", "1024"],
+    )
+    assert doc["config"]["device_pages"] == 4  # 64 tokens of 1 KiB = 4 pages of 16
+
+
+def test_plot_writes_png(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "hr.png"
+    assert (
+        main(
+            [
+                str(small),
+                "--block-size",
+                "16",
+                "--device",
+                "4p",
+                "--host",
+                "8p",
+                "--plot",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "hit (all tiers)" in capsys.readouterr().out
+
+
+def test_malformed_line_exit_2(tmp_path: Path) -> None:
+    rows: list = mooncake_rows([([0], 0), ([0, 1], 0)], 16)
+    rows.insert(1, "{not json")
+    p = write_jsonl(tmp_path / "bad.jsonl", rows)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.hitrate.cli", str(p), "--block-size", "16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert f"{p}:2: malformed JSON" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.hitrate.cli", str(tmp_path / "missing.jsonl")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "missing.jsonl: no such file" in proc.stderr
+
+
+def test_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows: list = mooncake_rows([([0], 0), ([0, 1], 0), ([0, 1], 0)], 16)
+    rows.insert(1, "{not json")
+    rows.insert(3, json.dumps({"input_ids": [1, 2]}))
+    p = write_jsonl(tmp_path / "bad.jsonl", rows)
+    doc = run_json(capsys, [str(p), "--block-size", "16", "--skip-bad-lines"])
+    assert doc["trace"]["bad_lines"] == 2 and doc["trace"]["bad_line_numbers"] == [2, 4]
+    assert doc["result"]["requests"] == 3
+    assert main([str(p), "--block-size", "16", "--skip-bad-lines", "--no-progress"]) == 0
+    assert "skipped 2 bad lines" in capsys.readouterr().out
+
+
+def test_bad_options_exit_2(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(small), "--block-size", "16", "--eviction-policy", "nope"]) == 2
+    assert "unknown eviction policy 'nope'" in capsys.readouterr().err
+    assert main([str(small), "--block-size", "16", "--storage", "unbounded"]) == 2
+    assert "needs a host tier" in capsys.readouterr().err
+    assert main([str(small), "--block-size", "16", "--page-size", "5"]) == 2
+    assert "must divide" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_reference_figure_with_unbounded_storage(
+    mooncake_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's 0.374, through the real HiRadixCache with a bounded device and host and
+    unbounded storage."""
+    doc = run_json(
+        capsys,
+        [
+            str(mooncake_trace),
+            "--device",
+            "4096p",
+            "--host",
+            "16384p",
+            "--storage",
+            "unbounded",
+            "--no-opt",
+        ],
+    )
+    assert doc["result"]["requests"] == 12031
+    assert round(doc["result"]["hit_rate"], 3) == 0.374
+    assert doc["result"]["hit_tokens"] == doc["unbounded"]["hit_tokens"]
+    assert doc["result"]["storage_hit_tokens"] > 0 and doc["result"]["host_hit_tokens"] > 0
