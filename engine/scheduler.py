@@ -222,6 +222,8 @@ class Scheduler:
             req.pages, req.tree_pages, req.kv_len = [], 0, 0
             if req.cached_tokens < 0:
                 req.cached_tokens = 0
+                self.cache.stats.requests += 1
+                self.cache.stats.input_tokens += len(tokens)
 
     def _unadmit(self, req: Req) -> None:
         """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
@@ -260,7 +262,8 @@ class Scheduler:
                 self._retract_one(exclude=req)
                 return False
             batch.append((req, k))
-            budget -= k
+            # A continuation cut short by the pool admits nobody new (one partial prompt a step).
+            budget = budget - k if k == n else 0
             self.chunked = None
         if budget > 0 and self.waiting and len(self.running) + len(batch) < self.max_running:
             for req in self._ordered_waiting():
