@@ -1,0 +1,126 @@
+"""Pool exhaustion, over-long prompts, retraction, aborts and chunked prefill."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.engine import Engine
+from hicache.errors import CapacityError, ConfigError
+
+
+def _prompts(n: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    head = [rnd.randrange(5, 1000) for _ in range(shared)]
+    return [head + [rnd.randrange(5, 1000) for _ in range(length - shared)] for _ in range(n)]
+
+
+def _run(model: Path, prompts: list[list[int]], new: int = 12, **kw: Any) -> tuple[list[Any], Any]:
+    params = {"max_new_tokens": new, "ignore_eos": True}
+    with Engine(model_path=str(model), page_size=4, **kw) as e:
+        out = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.cache_stats()
+        if e.caching:
+            e.wait_transfers(60)
+            e.cache.check_integrity(outside_device_pages=0)
+        else:
+            assert stats["usage"]["device_pages_free"] == stats["usage"]["device_pages_total"]
+    return [r["output_ids"] for r in out], stats
+
+
+def test_over_long_and_oversized_prompts(tiny_model: Path) -> None:
+    with Engine(model_path=str(tiny_model), page_size=4, context_length=64,
+                max_total_tokens=32) as e:
+        with pytest.raises(ValueError, match="the context length is 64"):
+            e.add_request(input_ids=list(range(1, 70)))
+        with pytest.raises(CapacityError, match="the device KV pool holds 32"):
+            e.add_request(input_ids=list(range(1, 40)))
+        with pytest.raises(ValueError, match="prompt is empty"):
+            e.add_request(input_ids=[])
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            e.add_request(input_ids=[1, 10**6])
+        # max_new_tokens is clipped to the context; the request finishes by length.
+        r = e.generate(input_ids=list(range(1, 20)), sampling_params={"max_new_tokens": 100,
+                                                                        "ignore_eos": True})[0]
+        assert r["meta_info"]["finish_reason"]["type"] in ("length", "abort")
+        assert not e.has_unfinished()
+
+
+def test_context_outgrows_pool_is_aborted_not_hung(tiny_model: Path) -> None:
+    """Alone in a 32-token pool, a 24-token prompt asking for 40 tokens runs out: aborted with a
+    message, the engine keeps serving."""
+    with Engine(model_path=str(tiny_model), page_size=4, max_total_tokens=32) as e:
+        r = e.generate(input_ids=list(range(1, 25)),
+                       sampling_params={"max_new_tokens": 40, "ignore_eos": True})[0]
+        assert r["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "cannot hold" in r["meta_info"]["finish_reason"]["message"]
+        assert len(r["output_ids"]) == 32 - 24 + 1
+        ok = e.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})[0]
+        assert len(ok["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["off", "device", "hierarchical"])
+def test_retraction_keeps_outputs(tiny_model: Path, mode: str) -> None:
+    """Sixteen requests of 60 + 20 tokens on a 192-token pool: requests are retracted and
+    resumed, every one finishes, outputs equal a roomy engine's."""
+    prompts = _prompts(16, 60, seed=1, shared=24)
+    kw: dict[str, Any] = {"disable_radix_cache": True} if mode == "off" else {}
+    if mode == "hierarchical":
+        kw = {"enable_hierarchical_cache": True, "hicache_ratio": 4.0}
+    expected, _ = _run(tiny_model, prompts, new=20, max_total_tokens=4096)
+    got, stats = _run(tiny_model, prompts, new=20, max_total_tokens=192, **kw)
+    assert got == expected
+    assert stats["scheduler"]["retractions"] > 0
+    assert stats["scheduler"]["finished"] == 16
+
+
+def test_chunked_prefill_and_schedule_policies(tiny_model: Path) -> None:
+    prompts = _prompts(6, 90, seed=2, shared=40)
+    expected, _ = _run(tiny_model, prompts, disable_radix_cache=True)
+    for kw in ({"chunked_prefill_size": 8}, {"chunked_prefill_size": 20, "schedule_policy": "lpm"},
+               {"schedule_policy": "lpm", "max_running_requests": 2}):
+        got, stats = _run(tiny_model, prompts, **kw)
+        assert got == expected, kw
+        assert stats["device_hit_tokens"] > 0
+
+
+def test_abort_and_step_api(tiny_model: Path) -> None:
+    with Engine(model_path=str(tiny_model), page_size=4, max_total_tokens=512) as e:
+        keep = e.add_request(input_ids=list(range(5, 45)), sampling_params={"max_new_tokens": 6,
+                                                                             "ignore_eos": True})
+        gone = e.add_request(input_ids=list(range(50, 90)),
+                             sampling_params={"max_new_tokens": 50, "ignore_eos": True})
+        assert not e.abort("no-such-request")
+        seen: dict[str, list[int]] = {keep: [], gone: []}
+        finished: dict[str, Any] = {}
+        steps = 0
+        while e.has_unfinished():
+            for u in e.step():
+                seen[u["rid"]].extend(u["new_token_ids"])
+                assert seen[u["rid"]] == u["output_ids"]
+                if u["finished"]:
+                    finished[u["rid"]] = u["meta_info"]
+            steps += 1
+            if steps == 3:
+                assert e.abort(gone)
+        assert finished[keep]["finish_reason"] == {"type": "length", "length": 6}
+        assert finished[gone]["finish_reason"]["type"] == "abort"
+        assert len(seen[keep]) == 6
+        e.wait_transfers(60)
+        e.cache.check_integrity(outside_device_pages=0)
+        assert e.flush_cache()
+        assert e.cache_stats()["usage"]["device_pages_free"] == 512 // 4
+
+
+def test_engine_args_errors(tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown schedule_policy 'random'"):
+        Engine(model_path=str(tiny_model), schedule_policy="random")
+    with pytest.raises(ConfigError, match="no config.json"):
+        Engine(model_path=str(tiny_model / "missing"))
+    with pytest.raises(ValueError, match="duplicate|already in use"):
+        with Engine(model_path=str(tiny_model), page_size=4) as e:
+            e.add_request(input_ids=[1, 2, 3], rid="x")
+            e.add_request(input_ids=[1, 2, 3], rid="x")

@@ -1,0 +1,50 @@
+"""A second engine on the same file store serves an earlier session's prefix from L3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.engine import Engine
+from tests.engine.workload import make_sessions, run_sessions
+
+pytestmark = pytest.mark.slow
+
+
+def _args(model: Path, store: Path) -> dict[str, Any]:
+    return {
+        "model_path": str(model),
+        "page_size": 4,
+        "max_total_tokens": 1024,
+        "enable_hierarchical_cache": True,
+        "hicache_storage_backend": "file",
+        "hicache_storage_prefetch_policy": "wait_complete",
+        "hicache_storage_backend_extra_config": {"path": str(store), "prefetch_threshold": 8},
+    }
+
+
+def test_restart_serves_prefix_from_storage(tiny_model: Path, tmp_path: Path) -> None:
+    store = tmp_path / "pages"
+    sessions = make_sessions(6, seed=3, turns=(2, 2))
+    with Engine(**_args(tiny_model, store)) as first:
+        run_sessions(first, sessions)
+        first.wait_transfers(timeout=60)
+        written = first.cache_stats()["storage_backup_pages"]
+    assert written > 0
+    # The next turn of session 0, asked of a fresh engine (empty device and host pools).
+    s = sessions[0]
+    follow_up = s.history + [11, 12, 13, 14, 15, 16, 17]
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    with Engine(model_path=str(tiny_model), disable_radix_cache=True, page_size=4) as ref_engine:
+        expected = ref_engine.generate(input_ids=follow_up, sampling_params=params)[0]
+    with Engine(**_args(tiny_model, store)) as second:
+        got = second.generate(input_ids=follow_up, sampling_params=params)[0]
+        stats = second.cache_stats()
+    assert got["output_ids"] == expected["output_ids"]
+    history_pages = len(s.history) // 4
+    assert stats["storage_hit_tokens"] == history_pages * 4
+    assert stats["device_hit_tokens"] == stats["host_hit_tokens"] == 0
+    assert got["meta_info"]["cached_tokens"] == history_pages * 4
+    assert stats["storage"]["get_hits"] >= history_pages
