@@ -1,0 +1,198 @@
+"""Start the scheduler process and the HTTP front end; stop both together.
+
+The front end (this process) binds two ZeroMQ IPC sockets in a private temp directory and starts
+`python -m engine.server.scheduler_proc` as its child. When the scheduler dies the front end
+stops serving and exits nonzero; when the front end dies the scheduler gets SIGTERM from the
+kernel (PR_SET_PDEATHSIG) and also notices its parent changed. SIGINT / SIGTERM on the front
+end: stop accepting requests, tell the scheduler to shut down (it flushes its cache transfers),
+wait for it, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from engine.args import EngineArgs
+from engine.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_START_TIMEOUT = 600.0
+SCHEDULER_STOP_TIMEOUT = 120.0
+DEMO_MODEL_NAME = "hicache-demo"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the launcher owns SIGINT / SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def served_model_name(args: EngineArgs) -> str:
+    if args.model_id:
+        return args.model_id
+    return args.model_path if args.model_path else DEMO_MODEL_NAME
+
+
+def ready_line(args: EngineArgs, info: P.Ready) -> str:
+    storage = info.storage_backend or "none"
+    return (
+        f"hicache-engine ready on http://{args.host}:{args.port} "
+        f"(model {served_model_name(args)}, storage {storage}, "
+        f"context {info.context_length}, kv {info.max_total_tokens} tokens)"
+    )
+
+
+class Launcher:
+    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+        self.args = args
+        self.log_level = log_level
+        self.stop_requested = False
+        self.server: _Server | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.scheduler_died: int | None = None
+        self.stop_event: asyncio.Event | None = None
+
+    def _on_signal(self, signum: int) -> None:
+        logger.info("got %s; shutting down", signal.Signals(signum).name)
+        if self.stop_requested and signum == signal.SIGINT and self.server is not None:
+            self.server.force_exit = True
+        self.stop_requested = True
+        if self.stop_event is not None:
+            self.stop_event.set()
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def _watch(self, client: Any) -> None:
+        assert self.proc is not None
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.1)
+        code = self.proc.returncode
+        if not self.stop_requested:
+            logger.error("the scheduler process exited with %s; stopping the front end", code)
+            self.scheduler_died = code
+        client.fail_all(f"the scheduler process exited with {code}")
+        self.stop_requested = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def run(self) -> int:
+        from engine.demo_model import ensure_demo_model
+        from engine.server.frontend import SchedulerClient, ServerState, create_app
+        from engine.server.metrics import ServerMetrics
+        from engine.tokenizer import Tokenizer
+
+        args = self.args
+        loop = asyncio.get_running_loop()
+        stop_event = self.stop_event = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        model_dir = Path(args.model_path) if args.model_path else ensure_demo_model()
+        tmp = Path(tempfile.mkdtemp(prefix="hicache-engine-"))
+        in_addr, out_addr = f"ipc://{tmp}/to-scheduler", f"ipc://{tmp}/from-scheduler"
+        ctx = zmq.asyncio.Context()
+        client = SchedulerClient(ctx, in_addr, out_addr)
+        recv_task = asyncio.create_task(client.recv_loop())
+        env = {**os.environ, "HICACHE_LOG_LEVEL": self.log_level.upper()}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.server.scheduler_proc",
+             json.dumps(dataclasses.asdict(args)), in_addr, out_addr],
+            env=env,
+        )
+        watch_task = asyncio.create_task(self._watch(client))
+        code = 0
+        try:
+            tokenizer = await asyncio.to_thread(
+                Tokenizer, args.tokenizer_path or model_dir
+            )
+            stop_wait = asyncio.create_task(stop_event.wait())
+            await asyncio.wait(
+                [client.ready, watch_task, stop_wait], timeout=SCHEDULER_START_TIMEOUT,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            stop_wait.cancel()
+            if self.stop_requested and self.scheduler_died is None:
+                return 0
+            if not client.ready.done():
+                if self.scheduler_died is not None or self.proc.poll() is not None:
+                    print("hicache-engine: the scheduler process failed to start "
+                          f"(exit code {self.proc.poll()}); see the log above",
+                          file=sys.stderr, flush=True)
+                else:
+                    print("hicache-engine: the scheduler did not get ready in "
+                          f"{SCHEDULER_START_TIMEOUT}s", file=sys.stderr, flush=True)
+                return 1
+            info = client.ready.result()
+            state = ServerState(
+                args=args, tokenizer=tokenizer, client=client, info=info,
+                model_name=served_model_name(args),
+                metrics=ServerMetrics() if args.enable_metrics else None,
+            )
+            app = create_app(state)
+            config = uvicorn.Config(
+                app, host=args.host, port=args.port, log_level=self.log_level.lower(),
+                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+            )
+            self.server = _Server(config)
+            serve_task = asyncio.create_task(self.server.serve())
+            while not self.server.started and not serve_task.done():
+                await asyncio.sleep(0.02)
+            if self.server.started:
+                print(ready_line(args, info), flush=True)
+            try:
+                await serve_task
+            except SystemExit as e:  # uvicorn exits this way when it cannot bind
+                code = int(e.code or 1)
+            if not self.server.started:
+                print(f"hicache-engine: cannot serve on {args.host}:{args.port}",
+                      file=sys.stderr, flush=True)
+                code = code or 1
+            if self.scheduler_died is not None:
+                code = 1
+            return code
+        finally:
+            await self._stop_scheduler(client)
+            watch_task.cancel()
+            recv_task.cancel()
+            ctx.destroy(linger=0)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _stop_scheduler(self, client: Any) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        self.stop_requested = True
+        try:
+            await client.send(P.ShutdownReq(reason="front end stopping"))
+        except Exception:  # noqa: BLE001 - fall through to signals
+            proc.terminate()
+        try:
+            await asyncio.to_thread(proc.wait, SCHEDULER_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            logger.error("the scheduler did not stop in %ss; killing it", SCHEDULER_STOP_TIMEOUT)
+            proc.kill()
+            proc.wait()
+
+
+def launch(args: EngineArgs, log_level: str = "info") -> int:
+    """Serve until stopped; returns the exit code."""
+    return asyncio.run(Launcher(args, log_level).run())
