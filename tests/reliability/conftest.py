@@ -54,7 +54,9 @@ def storage_engine(model: Path, backend: str, extra: dict[str, Any], **kw: Any) 
             model,
             enable_hierarchical_cache=True,
             hicache_storage_backend=backend,
-            hicache_storage_backend_extra_config={"prefetch_threshold": 0, **extra},
+            hicache_storage_backend_extra_config={
+                "prefetch_threshold": 0, "load_back_threshold": 0, **extra
+            },
             **kw,
         )
     )
