@@ -108,10 +108,13 @@ class EngineArgs:
     random_seed: int = 0
     # Path of a JSONL log with one line per finished request (for `hicache-hitrate`).
     request_log: str | None = None
-    # HTTP server: bind address, port, /metrics, and an optional API key.
+    # HTTP server bind address (loopback by default).
     host: str = "127.0.0.1"
+    # HTTP server port.
     port: int = 30000
+    # Serve Prometheus metrics at /metrics.
     enable_metrics: bool = False
+    # Require this key as a Bearer token on every HTTP request (None = open).
     api_key: str | None = None
 
     def __post_init__(self) -> None:
