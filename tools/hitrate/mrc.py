@@ -165,14 +165,19 @@ def stack_distances(
 
 
 def mrc_points(res: StackResult, n_points: int) -> list[int]:
-    """Capacities (pages) for an n-point curve: log-spaced from 1 page to the saturation point."""
+    """`n_points` distinct capacities (pages), log-spaced from 1 page to the saturation point
+    (the largest stack distance that brings a hit); fewer when there are fewer integers."""
     top = max(max(res.hit_tokens_at, default=1), 1)
-    if n_points <= 1:
+    if n_points <= 1 or top == 1:
         return [top]
-    pts = {1, top}
-    for k in range(n_points):
-        pts.add(max(1, round(top ** (k / (n_points - 1)))))
-    return sorted(pts)
+    if n_points >= top:
+        return list(range(1, top + 1))
+    k = n_points
+    pts: list[int] = []
+    while len(pts) < n_points:
+        pts = sorted({max(1, round(top ** (i / (k - 1)))) for i in range(k)})
+        k += 1
+    return [*pts[: n_points - 1], top]
 
 
 def unbounded(reqs: Sequence[PagedRequest], page_size: int) -> tuple[int, int]:
