@@ -14,10 +14,11 @@ on one connection: every request of the batch goes out in one write, then the re
 order, straight into the caller's buffers.
 
 What the server protocol lacks, and how the backend copes:
-- No delete: `delete` overwrites the object with an empty one (a tombstone). A get of a
-  tombstone is a miss. `EXIST` still reports it present, so `batch_exists` also consults the
-  tombstones this backend object has written or read; a page deleted by *another* instance can
-  be over-reported by `batch_exists` until this instance reads it (the read is a miss).
+- No delete, so `EXIST` cannot tell a deleted page. Each page has a one-byte *presence* object
+  beside its record (same key, model field + "p"): `batch_set` writes the record, then
+  presence 1; `delete` writes presence 0, then an empty record (a tombstone). `batch_exists`
+  reads the presence objects (pipelined `GET`s of one byte: as cheap as `EXIST`), so a delete
+  by any instance is seen by all. A get of a tombstone is a miss.
 - No clear and no listing: the namespace carries a generation number stored on the server
   (`clear` increments it); objects of older generations become unreachable.
 - No eviction and no capacity: the server keeps everything in memory until it restarts
@@ -51,6 +52,7 @@ _GEN_BYTES = 8
 # replies we are not reading while we block on requests it is not reading.
 _WINDOW = 32
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+_PRESENT, _ABSENT = b"\x01", b"\x00"
 
 
 def _lmcache() -> Any:
@@ -166,8 +168,6 @@ class LMCacheBackend(StorageBackend):
             raise ConfigError("lmcache: model_name must not contain '@'")
         self._pool: list[_Conn] = []
         self._pool_lock = threading.Lock()
-        self._tomb_lock = threading.Lock()
-        self._tombstones: set[str] = set()
         self._closed = False
         self._backoff = Backoff("lmcache", initial_s=0.1, max_s=5.0)
         self._gen_key = self._lm.CacheEngineKey(
@@ -234,21 +234,27 @@ class LMCacheBackend(StorageBackend):
         data = conn.recv_bytes(meta.length)
         return int.from_bytes(data[:_GEN_BYTES], "little") if len(data) >= _GEN_BYTES else 0
 
-    def _key(self, key: str, gen: int) -> Any:
+    def _key(self, key: str, gen: int, presence: bool = False) -> Any:
+        """The LMCache key of page `key` (or of its presence object)."""
         try:
             chunk = int(key, 16)
         except ValueError:
             chunk = int.from_bytes(hashlib.sha256(key.encode()).digest(), "big")
         return self._lm.CacheEngineKey(
-            f"{self._model}g{gen}", self.config.tp_size, self.config.tp_rank, chunk,
-            self._lm.torch.uint8,
+            f"{self._model}g{gen}{'p' if presence else ''}", self.config.tp_size,
+            self.config.tp_rank, chunk, self._lm.torch.uint8,
         )
 
     def _put_all(self, conn: _Conn, gen: int, keys: Sequence[str],
-                 views: Sequence[memoryview]) -> None:
+                 views: Sequence[memoryview], delete: bool = False) -> None:
+        """Records then presence 1 per page (`delete`: presence 0 then a tombstone), then a
+        `HEALTH` round trip that proves the server has taken them all."""
         put = self._lm.ClientCommand.PUT
+        flag = _ABSENT if delete else _PRESENT
         for k, v in zip(keys, views):
-            conn.send_parts([self._request(put, self._key(k, gen), len(v)), v])
+            data = [self._request(put, self._key(k, gen), len(v)), v]
+            mark = [self._request(put, self._key(k, gen, presence=True), 1), flag]
+            conn.send_parts(mark + data if delete else data + mark)
         conn.sock.sendall(self._request(self._lm.ClientCommand.HEALTH, self._gen_key))
         if self._reply(conn).code != self._lm.SUCCESS:
             raise ConnectionError("server did not confirm the batch of puts")
@@ -259,28 +265,28 @@ class LMCacheBackend(StorageBackend):
         self._count(exists_calls=1)
         if not keys:
             return 0
-        exist = self._lm.ClientCommand.EXIST
+        get = self._lm.ClientCommand.GET
         flags: list[bool] = []
         with self._conn() as c:
             gen = self._generation(c)
             for lo in range(0, len(keys), _WINDOW):
                 part = keys[lo : lo + _WINDOW]
-                c.sock.sendall(b"".join(self._request(exist, self._key(k, gen)) for k in part))
-                flags.extend(self._reply(c).code == self._lm.SUCCESS for _ in part)
-                if not flags[-1]:
+                c.sock.sendall(b"".join(
+                    self._request(get, self._key(k, gen, presence=True)) for k in part))
+                for _ in part:
+                    meta = self._reply(c)
+                    data = c.recv_bytes(meta.length) if meta.code == self._lm.SUCCESS else b""
+                    flags.append(data == _PRESENT)
+                if not all(flags):
                     break  # the leading run ends in this window
-        with self._tomb_lock:
-            if self._tombstones:
-                flags = [f and k not in self._tombstones for k, f in zip(keys, flags)]
         return leading_run(flags)
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
         get = self._lm.ClientCommand.GET
         result: list[int] = []
-        empty: list[str] = []
         with self._conn() as c:
             gen = self._generation(c)
-            for i, (k, buf) in enumerate(zip(keys, out)):
+            for i, buf in enumerate(out):
                 if i % _WINDOW == 0:
                     part = keys[i : i + _WINDOW]
                     c.sock.sendall(b"".join(self._request(get, self._key(x, gen)) for x in part))
@@ -294,12 +300,7 @@ class LMCacheBackend(StorageBackend):
                     c.recv_exact(dst)
                 elif n:
                     c.recv_bytes(n)  # wrong size: drained, dropped as corrupt by the caller
-                else:
-                    empty.append(k)  # a tombstone: the page was deleted
-                result.append(n if n else -1)
-        if empty:
-            with self._tomb_lock:
-                self._tombstones.update(empty)
+                result.append(n if n else -1)  # empty: a tombstone, the page was deleted
         return result
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
@@ -311,8 +312,6 @@ class LMCacheBackend(StorageBackend):
         with self._conn() as c:
             gen = self._generation(c)
             self._put_all(c, gen, keys, views)
-        with self._tomb_lock:
-            self._tombstones.difference_update(keys)
         self._count(set_pages=len(keys), bytes_written=sum(len(v) for v in views))
         return [True] * len(keys)
 
@@ -321,9 +320,7 @@ class LMCacheBackend(StorageBackend):
             return
         with self._conn() as c:
             gen = self._generation(c)
-            self._put_all(c, gen, keys, [memoryview(b"")] * len(keys))
-        with self._tomb_lock:
-            self._tombstones.update(keys)
+            self._put_all(c, gen, keys, [memoryview(b"")] * len(keys), delete=True)
         self._count(deleted_pages=len(keys))
 
     def clear(self) -> None:
@@ -336,8 +333,6 @@ class LMCacheBackend(StorageBackend):
             c.sock.sendall(self._request(self._lm.ClientCommand.HEALTH, self._gen_key))
             if self._reply(c).code != self._lm.SUCCESS:
                 raise ConnectionError("server did not confirm the new generation")
-        with self._tomb_lock:
-            self._tombstones.clear()
         logger.info("lmcache: cleared namespace %s (generation %d)", self._model, gen + 1)
 
     def close(self) -> None:

@@ -295,12 +295,20 @@ class MooncakeBackend(StorageBackend):
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
         self._check_open()
         views = [byte_view(o) for o in out]
-        codes = self._transfer(self._keys(keys), views, put=False)
+        names = self._keys(keys)
+        codes = self._transfer(names, views, put=False)
         result: list[int] = []
-        for c, v in zip(codes, views):
-            # NOTE: an empty or short read means the segment holding the object has gone: a
-            # miss. A longer object fails with "buffer too small" and is a miss as well.
-            result.append(c if c == len(v) else -1)
+        for name, c, v in zip(names, codes, views):
+            if c == len(v):
+                result.append(c)
+            elif c == 0 or c == _OBJECT_NOT_FOUND:
+                result.append(-1)  # NOTE: an empty read: the object's segment has gone
+            else:
+                # A short read, or "buffer too small": a wrong-size object (returned as its
+                # size, so the caller drops it as corrupt) if the store still holds one;
+                # otherwise the segment went away under the read: a plain miss.
+                size = int(self._store.get_size(name))
+                result.append(size if size > 0 and size != len(v) else -1)
         if codes and all(c < 0 and c != _OBJECT_NOT_FOUND for c in codes):
             self._check_health("batch_get_into", codes)
         self._backoff.success()

@@ -10,9 +10,10 @@ from typing import Any
 from storage_backends.hf3fs_backend import HF3FSBackend
 from tests.storage_backends.harness import BackendFactory, Harness, config
 
-# Small files so the suite stays light; slots big enough for the suite's records.
-SLOT_BYTES = 256 * 1024
-FILE_SIZE = 64 * SLOT_BYTES
+# Slots for the suite's largest record (1 MiB payload), enough of them for its largest batch
+# (128 pages); the file is preallocated once per harness.
+SLOT_BYTES = (1 << 20) + 4096
+FILE_SIZE = 192 * SLOT_BYTES
 
 
 def hf3fs_config(mount: Path, **extra: Any) -> dict[str, Any]:

@@ -65,7 +65,4 @@ def _start(tmp: Path) -> Iterator[BackendFactory]:
                 b.close()
 
 
-# The server cannot delete: a corrupt record is overwritten by a tombstone, and only the
-# instance that saw it stops reporting it in batch_exists (see storage_backends/lmcache_backend).
-HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache],
-                  deletes_corrupt=False)
+HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache])

@@ -102,10 +102,12 @@ def test_corrupt_and_short_records(master: tuple[str, Path]) -> None:
         assert b.batch_get([page_key(5)], buffers(1, len(rec))) == [False]
         assert b.stats().corrupt_pages == 1
         assert b.batch_exists([page_key(5)]) == 0  # deleted
-        # A shorter object than the record: a plain miss (what a vanished segment looks like).
-        assert b.batch_set([page_key(6)], [memoryview(rec[:100])]) == [True]
-        assert b.batch_get([page_key(6)], buffers(1, len(rec))) == [False]
-        assert b.stats().corrupt_pages == 1
+        # Objects shorter or longer than the record are wrong-size records: corrupt, deleted.
+        assert b.batch_set([page_key(6), page_key(7)],
+                           [memoryview(rec[:100]), memoryview(rec + b"x")]) == [True, True]
+        assert b.batch_get([page_key(6), page_key(7)], buffers(2, len(rec))) == [False, False]
+        assert b.stats().corrupt_pages == 3
+        assert b.batch_exists([page_key(6)]) == 0 and b.batch_exists([page_key(7)]) == 0
 
 
 def test_batches_larger_than_staging_and_registered_memory(master: tuple[str, Path]) -> None:
