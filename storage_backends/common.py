@@ -22,6 +22,7 @@ its failure doubles the delay (up to `max_s`, with jitter).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -223,16 +224,22 @@ def setting(
         raw = os.environ[env]
     else:
         return default
-    if cast is None:
-        if isinstance(default, bool):
-            return as_bool(raw, key)  # type: ignore[return-value]
-        if default is None:
-            return raw  # type: ignore[no-any-return]
-        cast = type(default)
+    conv = cast if cast is not None else _converter(default, key)
     try:
-        return cast(raw)
+        value: Any = conv(raw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: bad value {raw!r} ({e})") from e
+    return value  # type: ignore[no-any-return]
+
+
+def _converter(default: object, key: str) -> Callable[[Any], Any]:
+    """How to convert a raw setting whose default is `default`."""
+    if isinstance(default, bool):
+        return functools.partial(as_bool, key=key)
+    if default is None:
+        return lambda v: v
+    conv: Callable[[Any], Any] = type(default)
+    return conv
 
 
 def check_known_keys(config: StorageConfig, known: Sequence[str], backend: str) -> None:

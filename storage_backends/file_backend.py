@@ -162,19 +162,19 @@ class FileBackend(StorageBackend):
                     entries = list(os.scandir(d2.path))
                 except OSError:
                     continue
-                for e in entries:
+                for ent in entries:
                     try:
-                        if e.name.endswith(_TMP_SUFFIX):
-                            if self._stale_tmp(e.name, e.stat().st_mtime, now):
-                                os.unlink(e.path)
+                        if ent.name.endswith(_TMP_SUFFIX):
+                            if self._stale_tmp(ent.name, ent.stat().st_mtime, now):
+                                os.unlink(ent.path)
                                 removed_tmp += 1
                             continue
-                        if not _PAGE_NAME.fullmatch(e.name) or not e.is_file():
+                        if not _PAGE_NAME.fullmatch(ent.name) or not ent.is_file():
                             continue
-                        st = e.stat()
+                        st = ent.stat()
                     except OSError:
                         continue  # vanished meanwhile (another process)
-                    found.append((st.st_mtime, e.name, st.st_size))
+                    found.append((st.st_mtime, ent.name, st.st_size))
         found.sort()
         with self._lock:
             for _, name, size in found:

@@ -93,7 +93,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
-def _zero_copy_class(base: type[redis.connection.AbstractConnection]) -> type | None:
+def _zero_copy_class(base: type[Any]) -> type | None:
     """A subclass of `base` that packs commands with redis-py's pure-Python serializer, which
     sends large values (our records) as the caller's own memoryviews instead of copying them
     into one packed buffer as the hiredis packer does. None when this redis-py lacks the hook."""
@@ -207,7 +207,7 @@ class RedisBackend(StorageBackend):
         if scheme != "unix":
             self._kwargs["socket_keepalive"] = True
         if zero_copy:
-            base: type[redis.connection.AbstractConnection] = redis.connection.Connection
+            base: type[Any] = redis.connection.Connection
             if scheme == "unix":
                 base = redis.connection.UnixDomainSocketConnection
             elif scheme.startswith("rediss"):
@@ -298,7 +298,7 @@ class RedisBackend(StorageBackend):
     def _k(self, key: str) -> bytes:
         return self._prefix_b + key.encode()
 
-    def _failed(self, op: str, e: Exception) -> None:
+    def _failed(self, op: str, e: BaseException) -> None:
         self._count(errors=1)
         logger.debug("redis backend: %s failed: %s", op, e)
 
