@@ -31,8 +31,10 @@ def test_mooncake_dense_ids_and_layout(tmp_path: Path) -> None:
     lay = Layout(tr, 2)
     prompt, output = lay.prompt_output(tr.requests[0])
     # Blocks are whole (the partial last block is padded) plus one unique token.
-    assert prompt[:8] == [0, 1, 2, 3, 4, 5, 6, 7] and prompt[8] >= UNIQUE_TOKEN_BASE
-    assert output == []
+    assert prompt[:8] == [0, 0, 0, 0, 1, 1, 1, 1] and prompt[8] >= UNIQUE_TOKEN_BASE
+    assert len(prompt) == 9 and output == []
+    prompt2, _ = lay.prompt_output(tr.requests[1])
+    assert prompt2[:8] == [0, 0, 0, 0, 2, 2, 2, 2] and prompt2[8] == prompt[8] + 1
     pr = lay.paged(tr.requests[1])
     assert pr.pages == [0, 1, 4, 5] and pr.n_lookup == 4 and pr.input_len == 8
 

@@ -7,14 +7,15 @@ Belady, reuse distances, sharing) agree page for page:
 * `paged(req)` gives a `PagedRequest`: the ids of the full pages the engine inserts after the
   request (prompt + output), of which the first `n_lookup` are the ones its lookup can hit.
 
-Block traces (`mooncake`, `lmcache`): block `b` (a dense id) is the tokens
-`b * block_size ... b * block_size + block_size - 1`, so two blocks never share a token and the
-tree matches exactly the blocks the trace says are equal. A block is always whole: Mooncake's last
+Block traces (`mooncake`, `lmcache`): block `b` (a dense id) is `block_size` copies of token `b`,
+so two different blocks never share a page and the tree matches exactly the blocks the trace says
+are equal (every block has the same number of pages, so a sequence of page contents names one
+sequence of blocks). Repeating one int object makes the token lists cheap to build. A block is always whole: Mooncake's last
 block may be partial in the real prompt, but it is looked up as a whole block, and the request's
 hit is capped at its input length (`min(block_size * k, input_length)`, the trace's own
-accounting). The prompt handed to the cache is the blocks plus one unique token: the engine looks
-up `prompt[:-1]` (one token is always computed), so the unique token keeps every block
-matchable. Output tokens (and that extra token) are unique ids that no later request can match.
+accounting). The prompt handed to the cache is the blocks plus one unique token `u`: the engine
+looks up `prompt[:-1]` (one token is always computed), so the extra token keeps every block
+matchable. The output is `output_length` copies of `u`, which no later request can match.
 `page_size` must divide `block_size`; page `j` of block `b` has id `b * (block_size // page_size)
 + j`.
 
@@ -27,8 +28,7 @@ of `prompt[:-1]`; the insert covers the full pages of `prompt + output`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import chain, repeat
 
 from hicache.errors import ConfigError
 from tools.hitrate.traces import Request, Trace
@@ -61,17 +61,17 @@ class Layout:
                     f"page size {page_size} must divide the trace's block size {bs} "
                     f"(a block is {bs} tokens)"
                 )
-            if trace.num_blocks * bs > _MAX_BLOCK_TOKEN:
-                raise ConfigError(
-                    f"{trace.num_blocks} blocks of {bs} tokens exceed the synthetic token space"
-                )
+            if trace.num_blocks > _MAX_BLOCK_TOKEN:
+                raise ConfigError(f"{trace.num_blocks} distinct blocks exceed the token space")
             self.per_block = bs // page_size
-            self._offsets = np.arange(bs, dtype=np.int64)
         self._next_unique_token = UNIQUE_TOKEN_BASE
         # Unique page ids (block traces) live above every block page id.
         self._next_unique_page = (trace.num_blocks + 1) * (getattr(self, "per_block", 1) or 1)
         self._intern: dict[tuple[int, tuple[int, ...]], int] = {}
         self._roots: dict[str | None, int] = {}
+
+    def _bs_rep(self, blocks: list[int]) -> repeat[int]:
+        return repeat(self.trace.block_size or 0, len(blocks))
 
     def _unique_tokens(self, n: int) -> list[int]:
         start = self._next_unique_token
@@ -84,11 +84,12 @@ class Layout:
     def prompt_output(self, req: Request) -> tuple[list[int], list[int]]:
         """The token lists `simulate_request` gets for this request."""
         if self.block:
-            bs = self.trace.block_size or 0
-            blocks = np.asarray(req.blocks or (), dtype=np.int64)
-            prompt: list[int] = (blocks[:, None] * bs + self._offsets).ravel().tolist()
-            prompt.append(self._unique_tokens(1)[0])
-            return prompt, self._unique_tokens(self._n_output(req))
+            blocks = req.blocks or []
+            # B copies of token b: one int object per block, so this is C-speed.
+            prompt: list[int] = list(chain.from_iterable(map(repeat, blocks, self._bs_rep(blocks))))
+            u = self._unique_tokens(1)[0]
+            prompt.append(u)
+            return prompt, [u] * self._n_output(req)
         assert req.prompt is not None
         if self.ignore_output:
             return req.prompt, []
