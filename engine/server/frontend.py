@@ -255,7 +255,7 @@ class SchedulerClient:
         try:
             await self.send(P.ControlReq(cid=cid, op=op, payload=payload or {}))
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT)
-        except TimeoutError as e:
+        except asyncio.TimeoutError as e:  # not the builtin before Python 3.11
             raise ApiError(503, f"the scheduler did not answer {op}", type="server_error",
                            code="timeout") from e
         finally:

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,16 @@ class Launcher:
             return
         self.stop_requested = True
         try:
-            await client.send(P.ShutdownReq(reason="front end stopping"))
-        except Exception:  # noqa: BLE001 - fall through to signals
-            proc.terminate()
+            # Never block here: a PUSH with no connected peer would wait forever.
+            await client.push.send(P.encode(P.ShutdownReq(reason="front end stopping")),
+                                   zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the scheduler closed its sockets: it is on its way out
+        t0 = time.monotonic()
         try:
             await asyncio.to_thread(proc.wait, SCHEDULER_STOP_TIMEOUT)
+            logger.info("scheduler exited with %s after %.1fs", proc.returncode,
+                        time.monotonic() - t0)
         except subprocess.TimeoutExpired:
             logger.error("the scheduler did not stop in %ss; killing it", SCHEDULER_STOP_TIMEOUT)
             proc.kill()
@@ -195,4 +201,6 @@ class Launcher:
 
 def launch(args: EngineArgs, log_level: str = "info") -> int:
     """Serve until stopped; returns the exit code."""
-    return asyncio.run(Launcher(args, log_level).run())
+    code = asyncio.run(Launcher(args, log_level).run())
+    logger.info("front end exiting with %s", code)
+    return code
