@@ -70,7 +70,7 @@ def train_tokenizer(corpus: Path = CORPUS, vocab_size: int = TOKENIZER_VOCAB) ->
     return tok
 
 
-def _weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights named like a Hugging Face Llama checkpoint."""
     g = torch.Generator().manual_seed(seed)
     h, i = config["hidden_size"], config["intermediate_size"]
@@ -138,7 +138,7 @@ def write_demo_model(out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     gen = {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
-    save_file(_weights(config, SEED), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_weights(config, SEED), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,13 @@ from engine.sampling import SamplingParams, sample
 logger = logging.getLogger(__name__)
 
 FinishReason = dict[str, Any]
+# Decode growth is reserved for at most this many more tokens per request (SGLang clips too).
+CLIP_MAX_NEW_TOKENS = 1024
+# new_token_ratio: the share of the remaining max_new_tokens reserved at admission. It starts
+# high, decays each decode step (requests often stop early), and goes back up on a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
 
 
 @dataclass
@@ -134,6 +142,7 @@ class Scheduler:
         self.num_finished = 0
         self.retracted_total = 0
         self.forward_steps = 0
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -225,6 +234,41 @@ class Scheduler:
                 self.cache.stats.requests += 1
                 self.cache.stats.input_tokens += len(tokens)
 
+    def _decode_reserve(self, reqs: list[Req]) -> int:
+        """Pages to keep free for the decode growth of `reqs`: their remaining max_new_tokens
+        (clipped) times `new_token_ratio`, as SGLang estimates it."""
+        ps = self.page_size
+        tokens = sum(
+            min(r.params.max_new_tokens - len(r.output), CLIP_MAX_NEW_TOKENS) for r in reqs
+        )
+        return math.ceil(tokens * self.new_token_ratio / ps)
+
+    def _room_for(self, req: Req, budget: int, batch: list[Req]) -> bool:
+        """Whether to admit `req` now: the pool (free + evictable pages, without evicting
+        anything) must hold its first chunk, the host pages it will load back, and the decode
+        reserve of every running request and itself. Checked before `acquire`, so a request
+        that must wait is not admitted (and its hits counted) twice. With nothing else running
+        one page is enough: the request then proceeds chunk by chunk."""
+        ps = self.page_size
+        tokens = req.tokens
+        matched = host = 0
+        if self.caching:
+            m = self.cache.match_prefix(tokens[:-1], extra_key=req.extra_key)
+            matched, host = len(m.device_pages), m.host_tokens // ps
+        rest = len(tokens) - matched * ps - host * ps
+        need = host + math.ceil(min(rest, budget) / ps)
+        need += self._decode_reserve([*self.running, *batch, req])
+        free = self.runner.pool.allocator.num_free
+        if free >= need:
+            return True
+        avail = free
+        if self.caching:
+            evictable = self.cache.usage()["device_evictable_tokens"] // ps
+            avail += max(0, evictable - matched)
+        if avail >= need:
+            return True
+        return not self.running and not batch and self.chunked is None and avail >= 1
+
     def _unadmit(self, req: Req) -> None:
         """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
         if self.caching and req.node is not None:
@@ -255,6 +299,9 @@ class Scheduler:
             n = min(len(req.tokens) - req.kv_len, budget)
             k = self._grow(req, n)
             if k == 0:
+                self._wait_transfers()
+                k = self._grow(req, n)
+            if k == 0:
                 if not self.running:
                     self._abort_unfittable(req)
                     self.chunked = None
@@ -271,9 +318,18 @@ class Scheduler:
                     break
                 if self.caching and not self.cache.prefetch_ready(req.rid):
                     continue
+                if not self._room_for(req, budget, [r for r, _ in batch]):
+                    if not batch and not self.running and self.chunked is None:
+                        self.waiting.remove(req)
+                        self._abort_unfittable(req)
+                        continue
+                    break
                 self._admit(req)
                 n = min(len(req.tokens) - req.kv_len, budget)
                 k = self._grow(req, n)
+                if k == 0 and not batch and not self.running:
+                    self._wait_transfers()
+                    k = self._grow(req, n)
                 if k == 0:
                     self._unadmit(req)
                     if not batch and not self.running and self.chunked is None:
@@ -337,6 +393,7 @@ class Scheduler:
     # ---- decode ---------------------------------------------------------------------------
 
     def _decode_step(self, updated: list[Req]) -> None:
+        waited = False
         while True:
             ok = True
             for req in self.running:
@@ -345,6 +402,18 @@ class Scheduler:
                     break
             if ok:
                 break
+            if not waited:
+                # In-flight device -> host copies pin their pages: let them land first, it is
+                # far cheaper than a retraction.
+                waited = True
+                self._wait_transfers()
+                continue
+            if self.chunked is not None:
+                # A half-prefilled prompt gives way to running requests first.
+                self._retract(self.chunked)
+                self.chunked = None
+                waited = False
+                continue
             if len(self.running) == 1:
                 # Alone and still no page: nothing more can be freed for it.
                 req = self.running.pop()
@@ -353,12 +422,15 @@ class Scheduler:
                 updated.append(req)
                 return
             self._retract_one()
+            waited = False  # the retracted pages may be pinned by their own write to host
             if not self.running:
                 return
         reqs = list(self.running)
         seqs = [([r.tokens[r.kv_len]], r.kv_len, r.pages) for r in reqs]
         logits = self.runner.forward(seqs)
         self.forward_steps += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req, tok in zip(reqs, toks):
             req.kv_len += 1
@@ -409,15 +481,23 @@ class Scheduler:
             self.cache.free_device(req.pages)
         req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
 
+    def _wait_transfers(self) -> None:
+        if self.caching:
+            self.cache.flush(timeout=60)
+
     def _retract_one(self, exclude: Req | None = None) -> None:
         cands = [r for r in self.running if r is not exclude]
         if not cands:
             return
         victim = max(cands, key=lambda r: (r.arrival, len(r.output)))
         self.running.remove(victim)
+        self._retract(victim)
+
+    def _retract(self, victim: Req) -> None:
         self._release_pages(victim, victim.kv_len)
         victim.retractions += 1
         self.retracted_total += 1
+        self.new_token_ratio = 1.0
         self.waiting.appendleft(victim)
         logger.info("retracted %s (%d tokens) for lack of KV pages", victim.rid, len(victim.tokens))
 
