@@ -97,6 +97,7 @@ class FileBackend(StorageBackend):
         check_known_keys(config, KNOWN_KEYS, self.name)
         path = setting(config, "path", "", env="HICACHE_FILE_BACKEND_DIR", cast=str)
         self.root = Path(os.path.expanduser(path)) if path else default_dir()
+        self._root_s = str(self.root).rstrip("/") or "/"
         self.capacity_bytes = setting(config, "capacity_bytes", 0)
         self.fsync = setting(config, "fsync", "none", cast=str)
         self.o_direct = setting(config, "o_direct", False) and bool(_O_DIRECT)
@@ -133,7 +134,11 @@ class FileBackend(StorageBackend):
 
     def _shard(self, name: str) -> str:
         s = name[1:] if name[0] == "x" else name
-        return os.path.join(self.root, s[0:2], s[2:4])
+        return f"{self._root_s}/{s[0:2]}/{s[2:4]}"
+
+    def _file(self, name: str) -> str:
+        s = name[1:] if name[0] == "x" else name
+        return f"{self._root_s}/{s[0:2]}/{s[2:4]}/{name}"
 
     def path_of(self, key: str) -> Path:
         """Where `key`'s record lives (for tools and tests)."""
@@ -254,7 +259,7 @@ class FileBackend(StorageBackend):
         changed = False
         for i, key in enumerate(keys):
             name = page_name(key)
-            path = os.path.join(self._shard(name), name)
+            path = self._file(name)
             try:
                 size = os.stat(path).st_size
             except FileNotFoundError:
@@ -266,10 +271,10 @@ class FileBackend(StorageBackend):
                 self._io_error("stat", key, e)
                 n = i
                 break
-            with self._lock:
-                if self._index.get(name) != size:
+            if self._index.get(name) != size:  # a dict read is atomic: no lock when in sync
+                with self._lock:
                     self._index_put(name, size)  # written by another object / process
-                    changed = True
+                changed = True
         if changed:
             self._gauges()
         return n
@@ -281,7 +286,7 @@ class FileBackend(StorageBackend):
             dst = byte_view(buf)
             name = page_name(key)
             try:
-                n = self._read(os.path.join(self._shard(name), name), dst)
+                n = self._read(self._file(name), dst)
             except FileNotFoundError:
                 with self._lock:
                     changed |= self._index_drop(name)
@@ -293,7 +298,7 @@ class FileBackend(StorageBackend):
                 continue
             with self._lock:
                 if self._index.get(name) == n:
-                    self._index.move_to_end(name)
+                    self._index.move_to_end(name)  # LRU: most recently used last
                 else:
                     self._index_put(name, n)  # written by another object / process
                     changed = True
@@ -415,7 +420,7 @@ class FileBackend(StorageBackend):
         n = 0
         for name in names:
             try:
-                os.unlink(os.path.join(self._shard(name), name))
+                os.unlink(self._file(name))
                 n += 1
             except FileNotFoundError:
                 pass
