@@ -6,10 +6,10 @@ cluster each page's single key lands on its own slot, which spreads pages over e
 (A hash tag would pin *all* pages to one slot, i.e. one node.)
 
 Every batch is one round trip (one per node in a cluster, sent to all nodes before any reply
-is read): `batch_exists` is one ``EVALSHA`` of a tiny Lua script that returns the leading run
-(on a cluster, where one script cannot touch keys of many slots: a pipeline of ``EXISTS``, the
-run computed locally); reads are a pipeline of ``GET``, writes of ``SET [PX ttl]``, deletes of
-``UNLINK``.
+is read): `batch_exists` is one ``EVALSHA`` of a tiny Lua script that returns the leading run,
+reads are one ``MGET`` (on a cluster, where one command cannot touch keys of many slots: a
+pipeline of ``EXISTS`` / ``GET``, the run computed locally); writes are a pipeline of
+``SET [PX ttl]``, deletes of ``UNLINK``.
 
 Failure behaviour: a connection error or timeout makes the whole batch a miss (`batch_exists`
 -> 0, `batch_get` -> all False, `batch_set` -> all False), counted in `stats().errors`, and opens
@@ -330,12 +330,17 @@ class RedisBackend(StorageBackend):
         return self._leading_run_script
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        rkeys = [self._k(k) for k in keys]
+
         def build(p: Any) -> None:
-            for k in keys:
-                p.get(self._k(k))
+            for k in rkeys:
+                p.get(k)
 
         try:
-            res = self._run(build)
+            if self.cluster:
+                res = self._run(build)  # keys on many slots: GETs pipelined per node
+            else:
+                res = self._call(lambda c: c.mget(rkeys))  # one command, one array reply
         except StorageUnavailable as e:
             self._failed("get", e)
             return [-1] * len(keys)
