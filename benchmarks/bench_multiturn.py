@@ -144,7 +144,7 @@ def summarize(st: dict[str, Any], ttfts: list[float], wall: float, prompt_tokens
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small model and workload (~1 minute)")
-    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--users", type=int, default=24)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=512)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--device-tokens", type=int, default=4096,
+    p.add_argument("--device-tokens", type=int, default=6144,
                    help="device KV pool (tokens); smaller than the working set")
     p.add_argument("--host-ratio", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                    / "bench_multiturn.json")
     a = p.parse_args(argv)
     if a.quick:
-        a.users, a.turns, a.system_tokens, a.user_tokens = 8, 4, 256, 48
-        a.hidden, a.layers, a.device_tokens = 256, 4, 1024
+        a.users, a.turns, a.system_tokens, a.user_tokens = 16, 4, 256, 48
+        a.hidden, a.layers, a.device_tokens, a.concurrency = 256, 4, 1536, 2
         a.out = a.out.with_name("bench_multiturn_quick.json")
 
     import torch
