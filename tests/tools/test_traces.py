@@ -108,6 +108,30 @@ def test_lmcache_format(tmp_path: Path) -> None:
     assert [r.rid for r in tr.requests] == ["r1", "r2"]
 
 
+def test_lmcache_log_directory(tmp_path: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    row = {"chunk_size": 4, "seq_len": 8, "chunk_hashes": ["0xa", "0xb"]}
+    write_jsonl(d / "lookup_hashes_2.jsonl", [{**row, "timestamp": 5.0, "request_id": "late"}])
+    write_jsonl(
+        d / "lookup_hashes_1.jsonl",
+        [
+            {**row, "timestamp": 9.0, "request_id": "last"},
+            {**row, "timestamp": 1.0, "request_id": "first"},
+        ],
+    )
+    (d / "notes.txt").write_text("ignored")
+    tr = read_trace(d)
+    assert tr.format == "lmcache"
+    assert [r.rid for r in tr.requests] == ["first", "late", "last"]  # timestamp order
+    write_jsonl(d / "lookup_hashes_3.jsonl", ["{oops"])
+    with pytest.raises(TraceError, match=r"lookup_hashes_3.jsonl:1: malformed JSON"):
+        read_trace(d)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match="directory holds no"):
+        read_trace(tmp_path / "empty")
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no such file"):
         read_trace(tmp_path / "nope.jsonl")

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bound, Belady's offline optimum, an LRU miss-ratio curve, reuse distances and prefix "
         "sharing. Sizes: tokens (4096, 2M), pages (64p), bytes (2GiB, 500MB) or 'unbounded'.",
     )
-    p.add_argument("trace", metavar="TRACE", help="trace file (JSON lines)")
+    p.add_argument("trace", metavar="TRACE", help="trace file (JSON lines), or a directory of them")
     g = p.add_argument_group("trace")
     g.add_argument(
         "--format",

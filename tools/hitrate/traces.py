@@ -295,11 +295,21 @@ def read_trace(
     """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
 
     A line that is not JSON, or not a valid record of the format, raises `TraceError` naming the
-    file and line, unless `skip_bad_lines` (then it is counted in `Trace.bad_lines`).
+    file and line, unless `skip_bad_lines` (then it is counted in `Trace.bad_lines`). A directory
+    is read as its `lookup_hashes_*.jsonl` files (LMCache's rotated logs), or else its `*.jsonl`
+    files, in name order. LMCache records are replayed in timestamp order, as LMCache's simulator
+    does.
     """
     path = Path(path)
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(path, None, f"unknown format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    if path.is_dir():
+        files = sorted(path.glob("lookup_hashes_*.jsonl")) or sorted(path.glob("*.jsonl"))
+        if not files:
+            raise TraceError(path, None, "directory holds no *.jsonl trace files")
+    else:
+        files = [path]
+    current = files[0]
     reader: _Reader | None = None
     requests: list[Request] = []
     bad = 0
@@ -308,13 +318,19 @@ def read_trace(
     def reject(lineno: int, msg: str) -> None:
         nonlocal bad
         if not skip_bad_lines:
-            raise TraceError(path, lineno, msg)
+            raise TraceError(current, lineno, msg)
         bad += 1
         if len(bad_numbers) < 20:
             bad_numbers.append(lineno)
-        logger.debug("%s:%d: skipped: %s", path, lineno, msg)
+        logger.debug("%s:%d: skipped: %s", current, lineno, msg)
 
-    for lineno, line in _iter_lines(path):
+    def lines() -> Iterator[tuple[int, str]]:
+        nonlocal current
+        for f in files:
+            current = f
+            yield from _iter_lines(f)
+
+    for lineno, line in lines():
         if limit is not None and len(requests) >= limit:
             break
         try:
@@ -350,6 +366,8 @@ def read_trace(
             raise TraceError(path, None, f"no valid line ({bad} bad lines skipped)")
         raise TraceError(path, None, "empty trace")
     block_fmt = reader.fmt in ("mooncake", "lmcache")
+    if reader.fmt == "lmcache":
+        requests.sort(key=lambda r: r.ts)
     return Trace(
         path=str(path),
         format=reader.fmt,
