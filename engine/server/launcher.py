@@ -182,12 +182,11 @@ class Launcher:
         if proc is None or proc.poll() is not None:
             return
         self.stop_requested = True
-        try:
-            # Never block here: a PUSH with no connected peer would wait forever.
+        # Never block here: a PUSH with no connected peer would wait forever. ZMQError: the
+        # scheduler closed its sockets and is on its way out.
+        with contextlib.suppress(zmq.ZMQError):
             await client.push.send(P.encode(P.ShutdownReq(reason="front end stopping")),
                                    zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the scheduler closed its sockets: it is on its way out
         t0 = time.monotonic()
         try:
             await asyncio.to_thread(proc.wait, SCHEDULER_STOP_TIMEOUT)

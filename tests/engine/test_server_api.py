@@ -499,7 +499,7 @@ def test_storage_backend_endpoints(server: EngineServer) -> None:
             "text": "keep busy", "stream": True,
             "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
             it = r.iter_lines()
-            next(l for l in it if l.startswith("data: "))
+            next(line for line in it if line.startswith("data: "))
             for method in ("PUT", "DELETE"):
                 busy = c.request(method, "/hicache/storage-backend",
                                  json={"backend": "memory"})
