@@ -102,7 +102,7 @@ class _Usrbio:
     def __init__(self, mount: str, slot_bytes: int, entries: int) -> None:
         from multiprocessing.shared_memory import SharedMemory
 
-        from hf3fs_fuse import io as h3io  # type: ignore[import-not-found]
+        from hf3fs_fuse import io as h3io
 
         self._io = h3io
         self._entries = entries

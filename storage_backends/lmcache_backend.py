@@ -252,8 +252,10 @@ class LMCacheBackend(StorageBackend):
         put = self._lm.ClientCommand.PUT
         flag = _ABSENT if delete else _PRESENT
         for k, v in zip(keys, views):
-            data = [self._request(put, self._key(k, gen), len(v)), v]
-            mark = [self._request(put, self._key(k, gen, presence=True), 1), flag]
+            data: list[memoryview | bytes] = [self._request(put, self._key(k, gen), len(v)), v]
+            mark: list[memoryview | bytes] = [
+                self._request(put, self._key(k, gen, presence=True), 1), flag
+            ]
             conn.send_parts(mark + data if delete else data + mark)
         conn.sock.sendall(self._request(self._lm.ClientCommand.HEALTH, self._gen_key))
         if self._reply(conn).code != self._lm.SUCCESS:
