@@ -282,3 +282,33 @@ def test_reference_figure_with_unbounded_storage(
     assert round(doc["result"]["hit_rate"], 3) == 0.374
     assert doc["result"]["hit_tokens"] == doc["unbounded"]["hit_tokens"]
     assert doc["result"]["storage_hit_tokens"] > 0 and doc["result"]["host_hit_tokens"] > 0
+
+
+def test_chat_trace_with_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.tools.test_traces import _tiny_tokenizer
+
+    tok = _tiny_tokenizer(tmp_path / "tok")
+    msgs = [{"role": "user", "content": "hello world hello world again"}]
+    rows = [
+        {"model": "m", "messages": msgs, "max_tokens": 2},
+        {"model": "m", "messages": [*msgs, {"role": "assistant", "content": "again"}]},
+    ]
+    p = write_jsonl(tmp_path / "chat.jsonl", rows)
+    doc = run_json(capsys, [str(p), "--tokenizer", str(tok), "--page-size", "2"])
+    assert doc["trace"]["format"] == "chat" and doc["config"]["page_size"] == 2
+    # prompt 1: <s> user : hello world hello world again assistant : (10 tokens); prompt 2 is
+    # the same 10 tokens, then again assistant : (13). Request 1 cached its 10 prompt tokens
+    # (5 pages; its 2 output tokens are unique), so request 2 hits 10.
+    assert doc["result"]["input_tokens"] == 10 + 13
+    assert doc["result"]["hit_tokens"] == 10
+    assert any("max_tokens unique tokens" in n for n in doc["notes"])
+
+
+def test_lmcache_log_gives_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    row = {"chunk_size": 16, "seq_len": 40, "dtypes": ["bfloat16"], "shapes": [[2, 2, 16, 4]]}
+    rows = [{**row, "timestamp": float(i), "chunk_hashes": ["0xa", "0xb"]} for i in range(3)]
+    p = write_jsonl(tmp_path / "lookup_hashes_0.jsonl", rows)
+    doc = run_json(capsys, [str(p), "--device", "1KiB"])
+    assert doc["config"]["kv_bytes_per_token"] == 2 * 2 * 4 * 2  # 32 bytes a token
+    assert doc["config"]["device_pages"] == 2  # 1 KiB = 32 tokens = 2 pages of 16
+    assert doc["result"]["hit_tokens"] == 2 * 32  # full chunks only; the 8-token tail never hits
