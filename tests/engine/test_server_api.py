@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -536,13 +534,3 @@ def test_storage_backend_endpoints(server: EngineServer) -> None:
         r = c.post("/flush_cache")
         assert r.status_code == 200 and r.json() == {"flushed": True}
         assert server.stats()["usage"]["device_cached_tokens"] == 0
-
-
-def test_sigterm_stops_both_processes(tmp_path: Path) -> None:
-    srv = EngineServer(tmp_path, name="sigterm").start().wait_ready()
-    sched = srv.get("/get_model_info")["scheduler_pid"]
-    assert pid_alive(sched)
-    os.kill(srv.proc.pid, signal.SIGTERM)  # the front end only, as a service manager would
-    assert srv.proc.proc is not None
-    assert srv.proc.proc.wait(timeout=120) == 0
-    assert wait_gone(sched)

@@ -83,8 +83,16 @@ def test_restart_on_same_file_store_serves_prefix_from_l3(tmp_path: Path) -> Non
     try:
         reply1, p1, c1 = chat(first, turn1)
         assert c1 == 0
+        # SIGTERM to the front end only (as a service manager sends it): both processes stop
+        # cleanly, and the scheduler flushes its write-through to the file store first.
+        sched = first.get("/get_model_info")["scheduler_pid"]
+        os.kill(first.proc.pid, signal.SIGTERM)
+        assert first.proc.proc is not None
+        assert first.proc.proc.wait(timeout=120) == 0
+        assert wait_gone(sched)
+        assert "scheduler exited with 0" in first.proc.log()
     finally:
-        assert first.stop() == 0  # a clean stop flushes the write-through to the file store
+        first.proc.kill()
     second = EngineServer(tmp_path, flags, name="engine-2").start().wait_ready()
     try:
         again, p2, c2 = chat(second, turn1)
