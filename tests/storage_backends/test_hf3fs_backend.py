@@ -183,3 +183,23 @@ def test_setting_a_key_with_another_length_replaces_it(tmp_path: Path) -> None:
         assert b.stats().stored_pages == 1
         # The old slot was freed and taken again: one slot used in all.
         assert b._db().execute("SELECT hwm FROM files").fetchone() == (1,)
+
+
+def test_slot_rewritten_by_another_process_during_a_read_is_a_plain_miss(tmp_path: Path) -> None:
+    with make(tmp_path, file_size=SLOT_BYTES) as a, make(tmp_path, file_size=SLOT_BYTES) as other:
+        assert a.batch_set([key(1)], [memoryview(record(1))]) == [True]
+        real_io = a._io
+
+        def racing_io(ios: list, read: bool) -> list[int]:
+            if read:  # between a's index look-up and its read, the only slot changes hands
+                assert other.batch_set([key(2)], [memoryview(record(2))]) == [True]
+            return real_io(ios, read)
+
+        a._io = racing_io  # type: ignore[method-assign]
+        assert a.batch_get([key(1)], buffers(1)) == [False]
+        a._io = real_io  # type: ignore[method-assign]
+        assert a.stats().corrupt_pages == 0  # a miss, not a corrupt page
+        assert other.stats().evicted_pages == 1
+        out = buffers(1)
+        assert a.batch_get([key(2)], out) == [True]
+        assert bytes(out[0]) == bytes(record(2))

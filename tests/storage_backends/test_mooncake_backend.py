@@ -26,16 +26,16 @@ from tests.storage_backends.mooncake_procs import (
     skip_reason,
 )
 
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
-]
+pytestmark = [pytest.mark.mooncake]
 
 PAYLOAD = 4000
 
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
     logs = tmp_path_factory.mktemp("mooncake")
     with mooncake_master(logs) as addr:
         yield addr, logs
