@@ -134,8 +134,15 @@ def test_opt_beats_every_policy(tmp_path: Path, seed: int) -> None:
     paged = Layout(tr, BS).all_paged()
     biggest = max(len(p.pages) for p in paged)
     ub, _ = mrc.unbounded(paged, BS)
-    for dev, host in [(biggest, 0), (biggest + 4, 0), (biggest, 2 * biggest), (2 * biggest, 8)]:
-        opt = mrc.belady(paged, BS, dev + host)
+    tier_sets = [
+        (biggest, 0, 0),
+        (biggest + 4, 0, 0),
+        (biggest, 2 * biggest, 0),
+        (2 * biggest, 8, 0),
+        (biggest, biggest, 6),  # with a storage tier (OPT gets the sum of the three)
+    ]
+    for dev, host, sto in tier_sets:
+        opt = mrc.belady(paged, BS, dev + host + sto)
         assert opt.hit_tokens <= ub
         for policy in POLICIES:
             for write in ["write_through", "write_back"] if host else ["write_through"]:
@@ -143,12 +150,14 @@ def test_opt_beats_every_policy(tmp_path: Path, seed: int) -> None:
                     page_size=BS,
                     device_pages=dev,
                     host_pages=host,
+                    storage_pages=sto,
                     eviction_policy=policy,
                     write_policy=write,
                     load_back_threshold=0,
+                    prefetch_threshold=0,
                 )
                 real = replay(tr, tiers)
-                assert real.hit_tokens <= opt.hit_tokens, (policy, write, dev, host)
+                assert real.hit_tokens <= opt.hit_tokens, (policy, write, dev, host, sto)
 
 
 @pytest.mark.parametrize("seed", range(3))
