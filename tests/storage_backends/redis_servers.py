@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +24,27 @@ HAVE_REDIS = REDIS_SERVER is not None and REDIS_CLI is not None
 SKIP_REASON = "redis-server / redis-cli not installed (run scripts/install_system_deps.sh)"
 
 
-def _ping(port: int | None = None, unixsocket: Path | None = None, timeout: float = 1.0) -> bool:
+def make_test_certs(workdir: Path) -> Path:
+    """A throw-away CA and a server certificate for 127.0.0.1 (openssl CLI); returns the dir
+    holding ca.crt, server.crt and server.key."""
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=workdir, capture_output=True, check=True,
+                       timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "2", "-subj", "/CN=hicache-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (workdir / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.ext")
+    return workdir
+
+
+def _ping(port: int | None = None, unixsocket: Path | None = None, timeout: float = 1.0,
+          cafile: Path | None = None) -> bool:
     try:
         if unixsocket is not None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -31,6 +52,9 @@ def _ping(port: int | None = None, unixsocket: Path | None = None, timeout: floa
             s.connect(str(unixsocket))
         else:
             s = socket.create_connection(("127.0.0.1", port or 0), timeout=timeout)
+            if cafile is not None:
+                ctx = ssl.create_default_context(cafile=str(cafile))
+                s = ctx.wrap_socket(s, server_hostname="127.0.0.1")
         with s:
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith(b"+PONG")
@@ -41,10 +65,12 @@ def _ping(port: int | None = None, unixsocket: Path | None = None, timeout: floa
 class RedisServer:
     """One `redis-server` bound to 127.0.0.1 (and/or a unix socket), no persistence.
 
+    `tls`: a directory from `make_test_certs`; the port then speaks TLS only.
     `stop()` / `kill()` end it; `start()` brings it back on the same port (empty)."""
 
     def __init__(self, workdir: Path, *, port: int | None = None, unixsocket: bool = False,
-                 cluster_port: int | None = None, args: tuple[str, ...] = ()) -> None:
+                 cluster_port: int | None = None, args: tuple[str, ...] = (),
+                 tls: Path | None = None) -> None:
         if not HAVE_REDIS:
             raise RuntimeError(SKIP_REASON)
         self.workdir = workdir
@@ -53,11 +79,15 @@ class RedisServer:
         self.unixsocket = workdir / "redis.sock" if unixsocket else None
         self.cluster_port = cluster_port
         self.args = args
+        self.tls = tls
         self.proc: ManagedProcess | None = None
         self.starts = 0
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return (f"rediss://127.0.0.1:{self.port}/0?ssl_cert_reqs=required"
+                    f"&ssl_ca_certs={self.tls / 'ca.crt'}")
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -70,7 +100,7 @@ class RedisServer:
         argv = [
             REDIS_SERVER,
             "--bind", "127.0.0.1",
-            "--port", str(self.port),
+            "--port", "0" if self.tls is not None else str(self.port),
             "--dir", str(self.workdir),
             "--save", "",
             "--appendonly", "no",
@@ -79,6 +109,14 @@ class RedisServer:
         ]
         if self.unixsocket is not None:
             argv += ["--unixsocket", str(self.unixsocket), "--unixsocketperm", "700"]
+        if self.tls is not None:
+            argv += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls / "server.crt"),
+                "--tls-key-file", str(self.tls / "server.key"),
+                "--tls-ca-cert-file", str(self.tls / "ca.crt"),
+                "--tls-auth-clients", "no",
+            ]
         if self.cluster_port is not None:
             argv += [
                 "--cluster-enabled", "yes",
@@ -95,7 +133,8 @@ class RedisServer:
         self.proc = ManagedProcess(self.argv(), self.workdir / f"redis-{self.starts}.log").start()
         wait_for_port(self.port, timeout=timeout, proc=self.proc.proc)
         deadline = time.monotonic() + timeout
-        while not _ping(self.port):
+        cafile = self.tls / "ca.crt" if self.tls is not None else None
+        while not _ping(self.port, cafile=cafile):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"redis-server on {self.port} never answered PING:\n"
                                    f"{self.proc.log()[-2000:]}")
@@ -116,7 +155,10 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         assert REDIS_CLI is not None
-        r = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+        tls: list[str] = []
+        if self.tls is not None:
+            tls = ["--tls", "--cacert", str(self.tls / "ca.crt")]
+        r = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args],
                            capture_output=True, text=True, timeout=30, check=True)
         return r.stdout
 
@@ -125,9 +167,9 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(workdir: Path, *, unixsocket: bool = False,
-                 args: tuple[str, ...] = ()) -> Iterator[RedisServer]:
-    server = RedisServer(workdir, unixsocket=unixsocket, args=args)
+def redis_server(workdir: Path, *, unixsocket: bool = False, args: tuple[str, ...] = (),
+                 tls: Path | None = None) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, unixsocket=unixsocket, args=args, tls=tls)
     try:
         yield server.start()
     finally:

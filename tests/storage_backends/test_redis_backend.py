@@ -5,6 +5,7 @@ full server; plus the shared Backoff helper and config parsing (no server needed
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from tests.storage_backends.redis_servers import (
     SKIP_REASON,
     RedisCluster,
     RedisServer,
+    make_test_certs,
     redis_cluster,
     redis_server,
 )
@@ -259,6 +261,31 @@ def test_unix_socket(server: RedisServer) -> None:
     assert b.batch_get(keys, out) == [True] * 3
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
     assert rb(server.url).batch_exists(keys) == 3  # same server over TCP
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls(tmp_path: Path) -> None:
+    """rediss:// against a TLS-only server, certificate checked against a test CA."""
+    if not HAVE_REDIS:
+        pytest.skip(SKIP_REASON)
+    certs = make_test_certs(tmp_path / "certs")
+    with redis_server(tmp_path / "r", tls=certs) as s:
+        assert s.url.startswith("rediss://")
+        b = rb(s.url)
+        codec = make_codec(200_000)
+        keys = make_keys(3, salt=12)
+        recs = make_records(codec, keys)
+        assert b.batch_set(keys, views(recs)) == [True] * 3
+        assert b.batch_exists(keys) == 3
+        out = buffers(3, codec.record_bytes)
+        assert b.batch_get(keys, out) == [True] * 3
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert s.cli("DBSIZE").strip() == "3"
+        # Plain TCP to a TLS port is a counted miss, not a crash.
+        plain = rb(f"redis://127.0.0.1:{s.port}/0", socket_timeout=0.5)
+        assert plain.batch_exists(keys) == 0
+        assert plain.stats().errors == 1
 
 
 @pytest.mark.redis
