@@ -41,8 +41,9 @@ lint: setup
 	$(BIN)/ruff check hicache storage_backends engine tools tests benchmarks
 	$(BIN)/mypy
 
+# Benchmarks run in the loopback-only namespace too (Mooncake binds every interface).
 bench: setup sysdeps
-	LMCACHE_TRACK_USAGE=false $(BIN)/python benchmarks/run_all.py
+	LMCACHE_TRACK_USAGE=false scripts/in_netns.sh $(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
