@@ -115,3 +115,15 @@ def test_cli_rejects_bad_values() -> None:
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
+
+
+def test_docs_list_every_flag_and_endpoint() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    for name in EngineArgs.field_names():
+        assert f"`--{name.replace('_', '-')}`" in doc, name
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
+                 "/health", "/metrics", "/flush_cache", "/hicache/stats",
+                 "/hicache/storage-backend", "/hicache/storage-backend/clear"):
+        assert path in doc, path
