@@ -11,7 +11,10 @@ key              meaning                                           default
                  is dropped and the call degrades to a miss
 ``batch_keys``   most keys in one request (a larger batch is       256
                  split and the parts are pipelined)
-``batch_bytes``  most record bytes in one request (get or set)      8388608 (8 MiB)
+``batch_bytes``  most record bytes in one request (get or set)      4194304 (4 MiB)
+``tune_malloc``  let glibc reuse freed large blocks (process-wide;   true
+                 see `storage_backends.server.store.tune_malloc`):
+                 ~3x faster receives of 1 MiB pages
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -30,7 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 import zmq
@@ -39,10 +42,11 @@ from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import Backoff, byte_view, check_known_keys, setting
 from storage_backends.server import protocol as P
+from storage_backends.server.store import tune_malloc
 
 logger = logging.getLogger(__name__)
 
-KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes")
+KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc")
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 
 R = TypeVar("R", bound=P.Reply)
@@ -64,9 +68,11 @@ class HiCacheServerBackend(StorageBackend):
         self._token = setting(config, "auth_token", "", env="HICACHE_SERVER_AUTH_TOKEN", cast=str)
         self.timeout_ms = setting(config, "timeout_ms", 2000)
         self.batch_keys = setting(config, "batch_keys", 256)
-        self.batch_bytes = setting(config, "batch_bytes", 8 << 20)
+        self.batch_bytes = setting(config, "batch_bytes", 4 << 20)
         if self.timeout_ms <= 0 or self.batch_keys <= 0 or self.batch_bytes <= 0:
             raise ConfigError("hicache backend: timeout_ms, batch_keys, batch_bytes must be > 0")
+        if setting(config, "tune_malloc", True):
+            tune_malloc()
         self._ctx = zmq.Context(io_threads=1)
         self._pool: list[zmq.Socket] = []
         self._pool_lock = threading.Lock()
@@ -119,8 +125,13 @@ class HiCacheServerBackend(StorageBackend):
                 return
         s.close(linger=0)
 
-    def _roundtrip(self, reqs: Sequence[P.Request]) -> list[P.Reply]:
-        """Send every request (pipelined on one socket), collect their replies in order."""
+    def _roundtrip(
+        self, reqs: Sequence[P.Request], on_reply: Callable[[int, P.Reply], None] | None = None
+    ) -> list[P.Reply]:
+        """Send every request (pipelined on one socket), collect their replies in order.
+
+        `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
+        wire (a get copies its pages out then, so the received buffers are freed and reused)."""
         s = self._socket()
         healthy = False
         try:
@@ -145,6 +156,8 @@ class HiCacheServerBackend(StorageBackend):
                         raise StorageError(f"server error {msg.code}: {msg.message}")
                     continue  # a late reply of an abandoned request
                 assert isinstance(msg, P.Reply)
+                if on_reply is not None:
+                    on_reply(i_req, msg)
                 replies[i_req] = msg
                 got += 1
             healthy = True
@@ -156,12 +169,17 @@ class HiCacheServerBackend(StorageBackend):
         finally:
             self._release(s, healthy)
 
-    def _call(self, reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
+    def _call(
+        self,
+        reqs: Sequence[P.Request],
+        kind: type[R],
+        on_reply: Callable[[int, P.Reply], None] | None = None,
+    ) -> list[R]:
         """Round trip under the circuit breaker. Raises `StorageUnavailable` (transient) or
         `StorageError` (an error reply: wrong token, a request the server refused)."""
         self._backoff.check()
         try:
-            replies = self._roundtrip(reqs)
+            replies = self._roundtrip(reqs, on_reply)
         except _Unreachable as e:
             self._backoff.failure(e)
             raise StorageUnavailable(str(e)) from e
@@ -228,26 +246,34 @@ class HiCacheServerBackend(StorageBackend):
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
         chunks = self._chunks(len(keys), [byte_view(o).nbytes for o in out])
-        try:
-            replies = self._call(
-                [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks], P.GetReply
-            )
-        except StorageError as e:
-            self._degraded("get", e)
-            return [-1] * len(keys)
-        res: list[int] = []
-        for c, r in zip(chunks, replies):
-            if len(r.lengths) != len(c):
-                self._degraded("get", StorageError("reply has the wrong number of pages"))
-                return [-1] * len(keys)
+        res = [-1] * len(keys)
+
+        def copy_out(i_req: int, r: P.Reply) -> None:
+            if not isinstance(r, P.GetReply) or len(r.lengths) != len(chunks[i_req]):
+                return  # judged by _call / below
             frames = iter(r.frames)
-            for i, n in zip(c, r.lengths):
+            for i, n in zip(chunks[i_req], r.lengths):
+                res[i] = n
                 if n >= 0:
                     src = next(frames)
                     dst = byte_view(out[i])
                     if n == len(dst):
                         dst[:] = src
-                res.append(n)
+            r.frames = []  # release the received buffers now
+
+        try:
+            replies = self._call(
+                [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks],
+                P.GetReply,
+                copy_out,
+            )
+        except StorageError as e:
+            self._degraded("get", e)
+            return [-1] * len(keys)
+        for c, r in zip(chunks, replies):
+            if len(r.lengths) != len(c):
+                self._degraded("get", StorageError("reply has the wrong number of pages"))
+                return [-1] * len(keys)
         return res
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:

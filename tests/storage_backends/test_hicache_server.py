@@ -269,6 +269,40 @@ def test_restart_after_clean_shutdown_serves_every_page(tmp_path: Path) -> None:
         srv.stop()
 
 
+def test_full_write_behind_queue_drops_persistence_not_pages(tmp_path: Path) -> None:
+    persist = tmp_path / "persist"
+    args = ["--persist-queue", "1", "--persist-block-ms", "0"]
+    n = 600
+    with hicache_server(tmp_path, persist_dir=persist, args=args) as srv:
+        _run_in_process(write_pages, srv.url, None, "drop", n)
+        # Every page is served from memory whatever happened to its persistence.
+        read_pages(srv.url, None, "drop", n)
+        b = srv.client()
+        dropped = b.server_stats()["persist_dropped"]
+        b.close()
+    # A queue of one page cannot keep up with 128-page requests that may not wait.
+    assert dropped > 0
+    # After the flush every page was either written or dropped (counted), never both.
+    log = srv.log()
+    srv.start()
+    b = srv.client()
+    s0 = b.server_stats()
+    keys = [page_key("drop", i) for i in range(n)]
+    out = [memoryview(bytearray(RECORD)) for _ in keys]
+    ok = b.batch_get(keys, out)
+    c = codec()
+    for i in range(n):
+        if ok[i]:
+            assert bytes(out[i]) == bytes(page_record(c, "drop", i))
+    assert s0["persist_loaded"] == sum(ok)
+    written = int(log.split("persistence flushed (")[1].split(" ")[0])
+    assert written == sum(ok)
+    assert written + dropped == n
+    assert b.stats().corrupt_pages == 0
+    b.close()
+    srv.stop()
+
+
 def test_kill_9_during_a_write_burst_serves_nothing_corrupt(tmp_path: Path) -> None:
     persist = tmp_path / "persist"
     srv = HiCacheServerProc(tmp_path, persist_dir=persist, args=["--persist-queue", "512"])
