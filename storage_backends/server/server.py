@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from storage_backends.server import protocol as P
-from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes
+from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes, tune_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -504,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    tune_malloc()
     token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
     config = ServerConfig(
         host=args.host,
