@@ -302,6 +302,9 @@ class Generation:
     t0: float = field(default_factory=time.monotonic)
     t_last: float | None = None
     first: Any = None
+    stable: str = ""  # text of output_ids[:read_offset]
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     async def start(self) -> None:
         """Send the request and wait for its first answer, so that the scheduler's refusal
@@ -338,12 +341,26 @@ class Generation:
             if self.state.metrics is not None:
                 self.state.metrics.aborted.inc()
 
+    def _decode_incremental(self, skip: bool) -> str:
+        """The text of the output so far, decoding only a short window of new tokens per update
+        (not the whole output each time). The window starts a few tokens back so the decoder sees
+        the context it needs (leading spaces); text is taken only when it does not end in an
+        unfinished UTF-8 sequence."""
+        tok = self.state.tokenizer
+        ids = self.output_ids
+        before = tok.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        after = tok.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.stable += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return self.stable
+
     def _text(self, out: P.ReqOut) -> tuple[str, int]:
         """The full text and how much of it may be shown now."""
         stop: list[str] = self.params.get("stop") or []
         skip = bool(self.params.get("skip_special_tokens", True))
-        text = self.state.tokenizer.decode(self.output_ids, skip_special_tokens=skip)
-        if out.finished:
+        if out.finished:  # one full decode: the final text is exactly the engine's
+            text = self.state.tokenizer.decode(self.output_ids, skip_special_tokens=skip)
             reason = out.finish_reason or {}
             if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
                 for s in stop:
@@ -352,9 +369,8 @@ class Generation:
                         text = text[:idx]
                         break
             return text, len(text)
+        text = self._decode_incremental(skip)
         safe = len(text)
-        while safe > 0 and text[safe - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-            safe -= 1
         hold = 0
         for s in stop:  # hold back a tail that may become a stop string
             for k in range(min(len(s) - 1, safe), 0, -1):
@@ -418,6 +434,17 @@ class Generation:
             last = u
         assert last is not None
         return last
+
+
+async def start_all(gens: list[Generation]) -> None:
+    """Send every request of a batch before waiting for any, so they are batched together; on
+    any refusal abort the others and raise it."""
+    got = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+    errors = [e for e in got if isinstance(e, BaseException)]
+    if errors:
+        for g in gens:
+            await g.abort()
+        raise errors[0]
 
 
 def finish_reason_str(reason: Mapping[str, Any] | None) -> str | None:
@@ -613,7 +640,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompts: list[str | list[int]]
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
-            prompts = [p]  # type: ignore[list-item]
+            prompts = [p]
         else:
             prompts = list(p)  # type: ignore[arg-type]
         if not prompts:
@@ -657,8 +684,7 @@ def create_app(state: ServerState) -> FastAPI:
                 yield SSE_DONE
 
             return StreamingResponse(stream(), media_type="text/event-stream")
-        for g in gens:
-            await g.start()
+        await start_all(gens)
         results = await asyncio.gather(*(g.result() for g in gens))
         for u in results:
             check_aborted(u)
@@ -787,8 +813,7 @@ def create_app(state: ServerState) -> FastAPI:
                 yield SSE_DONE
 
             return StreamingResponse(stream(), media_type="text/event-stream")
-        for g in gens:
-            await g.start()
+        await start_all(gens)
         results = await asyncio.gather(*(g.result() for g in gens))
         out = [shape(g, u) for g, u in zip(gens, results)]
         return JSONResponse(out[0] if single else out)
