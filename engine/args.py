@@ -70,7 +70,7 @@ class EngineArgs:
     context_length: int | None = None
     # Size of the device KV pool in tokens (rounded down to pages); None = from mem_fraction_static.
     max_total_tokens: int | None = None
-    # Fraction of free device memory for the KV pool (CUDA); on CPU a share of a 1 GiB budget.
+    # Fraction of free device memory for the KV pool (CUDA); on CPU a share of a 256 MiB budget.
     mem_fraction_static: float = 0.5
     # Requests decoded together at most.
     max_running_requests: int = 64

@@ -33,8 +33,8 @@ from hicache.pools import dtype_name
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# On CPU the default KV pool takes this share of a 1 GiB budget (times mem_fraction_static).
-_CPU_KV_BUDGET_BYTES = 1 << 30
+# On CPU the default KV pool is mem_fraction_static of this budget (the host pool comes on top).
+_CPU_KV_BUDGET_BYTES = 256 << 20
 
 
 def resolve_device(name: str) -> torch.device:

@@ -104,12 +104,7 @@ class _Candidates:
 
 
 def _device_candidate(n: TreeNode) -> bool:
-    return (
-        not n.removed
-        and n.value is not None
-        and n.lock_ref == 0
-        and not any(c.value is not None for c in n.children.values())
-    )
+    return not n.removed and n.value is not None and n.lock_ref == 0 and n.device_children == 0
 
 
 def _host_candidate(n: TreeNode) -> bool:
@@ -447,7 +442,7 @@ class HiRadixCache:
         off = 0
         for x in host_nodes:
             k = len(x.host_value)  # type: ignore[arg-type]
-            x.value = dev[off : off + k]
+            self.tree.set_value(x, dev[off : off + k])
             off += k
         self._stats.load_back_tokens += n * self.page_size
         self._device_heap.push(host_nodes[-1])
@@ -534,21 +529,22 @@ class HiRadixCache:
             child = node.children.get(t[i * ps : (i + 1) * ps])
             if child is None:
                 child = self.tree.new_child(node, t[i * ps : n_pages * ps])
-                child.value = pages[i:]
+                self.tree.set_value(child, pages[i:])
                 child.priority = priority
                 new_tokens += (n_pages - i) * ps
-                out.extend(child.value)
+                out.extend(pages[i:])
                 node = child
                 break
             m = common_pages(child.key, t[i * ps : n_pages * ps], ps)
             if m < child.num_pages:
                 child = self.tree.split(child, m)
             if child.value is None:
-                child.value = pages[i : i + m]  # re-attach: the caller recomputed these pages
+                # Re-attach: the caller recomputed these pages.
+                self.tree.set_value(child, pages[i : i + m])
                 new_tokens += m * ps
             else:
                 dups.extend(p for p, q in zip(pages[i : i + m], child.value) if p != q)
-            out.extend(child.value)
+            out.extend(child.value)  # type: ignore[arg-type]  # set on both branches
             child.last_access = tick
             child.priority = max(child.priority, priority)
             node = child
@@ -632,14 +628,14 @@ class HiRadixCache:
                     return k * ps
                 parent = node.parent
                 self.device_alloc.free(node.value)
-                node.value = None
+                self.tree.set_value(node, None)
                 self.tree.remove_leaf(node)
                 self._stats.evicted_tokens += k * ps
                 assert parent is not None
                 self._touch(parent)
                 return k * ps
         self.device_alloc.free(node.value)
-        node.value = None
+        self.tree.set_value(node, None)
         self._stats.evicted_tokens += k * ps
         self._host_heap.push(node)
         if node.parent is not None:
@@ -678,7 +674,7 @@ class HiRadixCache:
             if x.value is not None:
                 self.device_alloc.free(x.value)
                 self._stats.evicted_tokens += len(x.value) * ps
-                x.value = None
+                self.tree.set_value(x, None)
             if x.host_value is not None:
                 self.host_alloc.free(x.host_value)
                 self._stats.evicted_host_tokens += len(x.host_value) * ps
@@ -1051,6 +1047,8 @@ class HiRadixCache:
         host_seen: set[int] = set()
         for r in self.tree.roots.values():
             assert r.value == [] and r.host_value == [], "root holds pages"
+            dc = sum(c.value is not None for c in r.children.values())
+            assert r.device_children == dc, f"root: device_children {r.device_children} != {dc}"
         for x in self.tree.nodes():
             p = x.parent
             assert p is not None and not x.removed, f"{x} detached but reachable"
@@ -1073,6 +1071,8 @@ class HiRadixCache:
                     host_seen.add(pg)
             if x.page_keys is not None:
                 assert len(x.page_keys) == n, f"{x}: {len(x.page_keys)} keys for {n} pages"
+            dc = sum(c.value is not None for c in x.children.values())
+            assert x.device_children == dc, f"{x}: device_children {x.device_children} != {dc}"
             assert x.lock_ref >= sum(c.lock_ref for c in x.children.values()), (
                 f"{x}: lock_ref {x.lock_ref} < children's "
                 f"{sum(c.lock_ref for c in x.children.values())}"

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
-import numpy as np
-
 NAMESPACE_TAG = b"hicache/namespace/v1"
+_U32 = "I" if array("I").itemsize == 4 else "L"  # a 32-bit unsigned C type
+_SWAP = sys.byteorder != "little"  # keys hash tokens as uint32 little-endian everywhere
 DIGEST_BYTES = 32
 
 
@@ -64,10 +66,13 @@ def page_keys(tokens: Sequence[int], page_size: int, prior: bytes) -> list[bytes
     n_pages = len(tokens) // page_size
     if n_pages == 0:
         return []
-    arr = np.asarray(tokens[: n_pages * page_size], dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in uint32")
-    raw = arr.astype("<u4").tobytes()
+    try:
+        arr = array(_U32, tokens[: n_pages * page_size])
+    except OverflowError as e:
+        raise ValueError("token ids must fit in uint32") from e
+    if _SWAP:
+        arr.byteswap()
+    raw = arr.tobytes()
     step = page_size * 4
     out: list[bytes] = []
     digest = prior

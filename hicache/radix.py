@@ -44,6 +44,7 @@ class TreeNode:
         "priority",
         "removed",
         "extra_key",
+        "device_children",
     )
 
     def __init__(self, node_id: int, key: Tokens, parent: TreeNode | None, tick: int) -> None:
@@ -61,6 +62,7 @@ class TreeNode:
         self.created = tick
         self.priority = 0
         self.removed = False
+        self.device_children = 0  # children with a device copy (kept by RadixTree.set_value)
         self.extra_key: str | None = parent.extra_key if parent is not None else None
 
     @property
@@ -81,7 +83,7 @@ class TreeNode:
         return len(ps_pages) if ps_pages is not None else 0
 
     def has_device_child(self) -> bool:
-        return any(c.value is not None for c in self.children.values())
+        return self.device_children > 0
 
     def __repr__(self) -> str:
         return (
@@ -137,12 +139,23 @@ class RadixTree:
         parent.children[first] = node
         return node
 
+    @staticmethod
+    def set_value(node: TreeNode, pages: list[int] | None) -> None:
+        """Set (or clear, with None) the device pages of `node`, keeping its parent's count of
+        device children exact. Every change of `TreeNode.value` goes through here."""
+        parent = node.parent
+        if parent is not None:
+            parent.device_children += (pages is not None) - (node.value is not None)
+        node.value = pages
+
     def remove_leaf(self, node: TreeNode) -> None:
         if node.children:
             raise ValueError(f"{node} has children")
         parent = node.parent
         if parent is None:
             raise ValueError("cannot remove a root")
+        if node.value is not None:
+            parent.device_children -= 1
         del parent.children[node.key[: self.page_size]]
         node.removed = True
         node.parent = None
@@ -168,6 +181,7 @@ class RadixTree:
         upper.host_ref = node.host_ref
         if node.value is not None:
             upper.value, node.value = node.value[:n_pages], node.value[n_pages:]
+            upper.device_children = 1  # `node`, its only child; the parent's count is unchanged
         if node.host_value is not None:
             upper.host_value, node.host_value = node.host_value[:n_pages], node.host_value[n_pages:]
         if node.page_keys is not None:

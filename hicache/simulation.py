@@ -112,11 +112,31 @@ def simulate_request(
     and inserts `prompt + output` when the request finishes.
     """
     prompt = list(prompt)
-    lookup = prompt[:-1]
+    return replay_request(
+        cache, request_id, prompt[:-1], prompt + list(output), extra_key, len(prompt)
+    )
+
+
+def replay_request(
+    cache: HiRadixCache,
+    request_id: str,
+    lookup: Sequence[int],
+    full: Sequence[int],
+    extra_key: str | None = None,
+    input_tokens: int | None = None,
+) -> SimulatedRequest:
+    """The request lifecycle with the looked-up and the inserted sequences given apart:
+    prefetch and acquire `lookup`, allocate pages for the rest of `full`, insert `full`.
+
+    `simulate_request` is this with `lookup = prompt[:-1]`, `full = prompt + output`. A caller
+    that maps every page to one id (a cache of page size 1 over page ids, which makes the same
+    decisions page for page: see tools/hitrate) passes the id sequences directly.
+    """
+    if input_tokens is None:
+        input_tokens = len(lookup) + 1
     cache.prefetch(request_id, lookup, extra_key=extra_key)
     acq = cache.acquire(lookup, extra_key=extra_key, request_id=request_id,
-                        input_tokens=len(prompt))
-    full = prompt + list(output)
+                        input_tokens=input_tokens)
     ps = cache.page_size
     need = len(full) // ps - len(acq.device_pages)
     pages = list(acq.device_pages)
@@ -127,9 +147,9 @@ def simulate_request(
             cache.release(acq.node)
             return SimulatedRequest(acq.cached_tokens, acq.device_hit_tokens,
                                     acq.host_hit_tokens, acq.storage_hit_tokens,
-                                    len(prompt) - acq.cached_tokens)
+                                    input_tokens - acq.cached_tokens)
         pages += new
     cache.insert(full, pages, extra_key=extra_key)
     cache.release(acq.node)
     return SimulatedRequest(acq.cached_tokens, acq.device_hit_tokens, acq.host_hit_tokens,
-                            acq.storage_hit_tokens, len(prompt) - acq.cached_tokens)
+                            acq.storage_hit_tokens, input_tokens - acq.cached_tokens)
