@@ -126,8 +126,9 @@ class Launcher:
                 Tokenizer, args.tokenizer_path or model_dir
             )
             stop_wait = asyncio.create_task(stop_event.wait())
+            waits: list[asyncio.Future[Any]] = [client.ready, watch_task, stop_wait]
             await asyncio.wait(
-                [client.ready, watch_task, stop_wait], timeout=SCHEDULER_START_TIMEOUT,
+                waits, timeout=SCHEDULER_START_TIMEOUT,
                 return_when=asyncio.FIRST_COMPLETED,
             )
             stop_wait.cancel()
@@ -182,11 +183,14 @@ class Launcher:
         if proc is None or proc.poll() is not None:
             return
         self.stop_requested = True
-        # Never block here: a PUSH with no connected peer would wait forever. ZMQError: the
-        # scheduler closed its sockets and is on its way out.
-        with contextlib.suppress(zmq.ZMQError):
+        # Never block here: a PUSH with no connected peer would wait forever. Not delivered
+        # (the scheduler is still starting, or already closing): SIGTERM does the same job.
+        try:
             await client.push.send(P.encode(P.ShutdownReq(reason="front end stopping")),
                                    zmq.NOBLOCK)
+        except zmq.ZMQError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
         t0 = time.monotonic()
         try:
             await asyncio.to_thread(proc.wait, SCHEDULER_STOP_TIMEOUT)
