@@ -323,9 +323,6 @@ class Generation:
         if isinstance(self.first, P.ReqError):
             client.close(self.rid)
             self.finished = True
-            m = self.state.metrics
-            if m is not None:
-                m.bad_requests.inc()
             status = self.first.status
             raise ApiError(status, self.first.message,
                            type="invalid_request_error" if status < 500 else "server_error",
