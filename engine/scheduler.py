@@ -319,11 +319,13 @@ class Scheduler:
                 if self.caching and not self.cache.prefetch_ready(req.rid):
                     continue
                 if not self._room_for(req, budget, [r for r, _ in batch]):
-                    if not batch and not self.running and self.chunked is None:
+                    if batch or self.running or self.chunked is not None:
+                        break
+                    self._wait_transfers()  # in-flight writes pin pages; let them land
+                    if not self._room_for(req, budget, []):
                         self.waiting.remove(req)
                         self._abort_unfittable(req)
                         continue
-                    break
                 self._admit(req)
                 n = min(len(req.tokens) - req.kv_len, budget)
                 k = self._grow(req, n)
