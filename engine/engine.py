@@ -238,10 +238,11 @@ class Engine:
             items = [(p, None) for p in plist]
         else:
             assert input_ids is not None
-            if len(input_ids) and isinstance(input_ids[0], int):
-                items = [(None, [int(t) for t in input_ids])]  # type: ignore[union-attr]
+            seqs: list[Any] = list(input_ids)
+            if seqs and isinstance(seqs[0], int):
+                items = [(None, [int(t) for t in seqs])]
             else:
-                items = [(None, list(x)) for x in input_ids]  # type: ignore[arg-type]
+                items = [(None, [int(t) for t in x]) for x in seqs]
         n = len(items)
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             plist_sp = list(sampling_params)
@@ -249,7 +250,9 @@ class Engine:
                 raise ValueError(f"{len(plist_sp)} sampling params for {n} prompts")
         else:
             plist_sp = [sampling_params] * n
-        keys = list(extra_key) if isinstance(extra_key, (list, tuple)) else [extra_key] * n
+        keys: list[Any] = (
+            list(extra_key) if isinstance(extra_key, (list, tuple)) else [extra_key] * n
+        )
         rids = []
         for (text, ids), sp, ek in zip(items, plist_sp, keys):
             rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek))

@@ -57,7 +57,7 @@ class Tokenizer:
     ) -> list[int] | str:
         if not getattr(self.hf, "chat_template", None):
             raise ConfigError(f"the tokenizer of {self.path} has no chat template")
-        out = self.hf.apply_chat_template(
+        out: Any = self.hf.apply_chat_template(
             [dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             tokenize=tokenize,

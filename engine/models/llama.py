@@ -65,6 +65,8 @@ def rope_inv_freq(cfg: ModelConfig, context_length: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, context_length: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg, context_length), persistent=False)
