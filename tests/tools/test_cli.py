@@ -42,6 +42,7 @@ FLAGS = [
     "--json",
     "--plot",
     "--no-progress",
+    "--replay-mode",
     "--verbose",
 ]
 

@@ -277,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the JSON document instead of tables")
     g.add_argument("--plot", metavar="PNG", help="write MRC, tier breakdown and reuse distances")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--replay-mode",
+        choices=("pages", "tokens"),
+        default="pages",
+        help="how requests reach HiRadixCache: 'pages' (page ids at page size 1, fast) or "
+        "'tokens' (token lists at --page-size); both give identical results",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -345,6 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tiers,
         ignore_output=args.ignore_output,
         progress=False if args.no_progress else None,
+        mode=args.replay_mode,
     )
     t_sim = time.perf_counter() - t0
 

@@ -68,13 +68,18 @@ class SimResult:
         return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
 
 
-def build_cache(tiers: TierConfig, unbounded_pages: int) -> Any:
-    """A simulated `HiRadixCache`; unbounded tiers get `unbounded_pages` pages."""
+def build_cache(tiers: TierConfig, unbounded_pages: int, *, page_ids: bool = False) -> Any:
+    """A simulated `HiRadixCache`; unbounded tiers get `unbounded_pages` pages.
+
+    `page_ids`: the cache runs at page size 1 over page ids (one "token" per page), with the
+    token thresholds turned into page counts, so it makes the same decisions as a cache of
+    `tiers.page_size` over the tokens (see `replay`)."""
     from hicache.hiradix import HiRadixCache
     from hicache.simulation import SimStorage
 
+    ps = tiers.page_size
     kwargs: dict[str, Any] = dict(
-        page_size=tiers.page_size,
+        page_size=1 if page_ids else ps,
         write_policy=tiers.write_policy,
         eviction_policy=tiers.eviction_policy,
         eviction_config=dict(tiers.eviction_config),
@@ -82,10 +87,16 @@ def build_cache(tiers: TierConfig, unbounded_pages: int) -> Any:
         simulated=True,
         synchronous=True,
     )
-    if tiers.prefetch_threshold is not None:
-        kwargs["prefetch_threshold"] = tiers.prefetch_threshold
-    if tiers.load_back_threshold is not None:
-        kwargs["load_back_threshold"] = tiers.load_back_threshold
+    defaults = HiCacheConfig()
+    prefetch = tiers.prefetch_threshold
+    load_back = tiers.load_back_threshold
+    prefetch = defaults.prefetch_threshold if prefetch is None else prefetch
+    load_back = defaults.load_back_threshold if load_back is None else load_back
+    if page_ids:
+        # "at least T tokens" over whole pages is "at least ceil(T / page_size) pages".
+        prefetch, load_back = -(-prefetch // ps), -(-load_back // ps)
+    kwargs["prefetch_threshold"] = prefetch
+    kwargs["load_back_threshold"] = load_back
     config = HiCacheConfig(**kwargs)
     device = tiers.device_pages if tiers.device_pages is not None else unbounded_pages
     host = tiers.host_pages if tiers.host_pages is not None else unbounded_pages
@@ -118,9 +129,24 @@ def replay(
     *,
     ignore_output: bool = False,
     progress: bool | None = False,
+    mode: str = "pages",
 ) -> SimResult:
-    """Replays every request of `trace` through a fresh simulated cache."""
-    from hicache.simulation import simulate_request
+    """Replays every request of `trace` through a fresh simulated cache.
+
+    `mode="tokens"` hands the cache the requests' token lists at `tiers.page_size`.
+    `mode="pages"` (the default, much faster for large pages) hands it page ids at page size 1:
+    every full page becomes one id that names the page's content *and* its prefix (the
+    `Layout.paged` view), the lookup is the pages of `prompt[:-1]`, the insert the pages of
+    `prompt + output`, and token thresholds become page counts. The tree then has the same
+    shape, the policies see the same nodes in the same order, and the per-tier hits are the
+    same page for page; a test replays random traces both ways and asserts equal counters.
+    """
+    from hicache.simulation import replay_request, simulate_request
+
+    if mode not in ("pages", "tokens"):
+        raise ValueError(f"mode must be 'pages' or 'tokens', got {mode!r}")
+    page_ids = mode == "pages"
+    ps = tiers.page_size
 
     layout = Layout(trace, tiers.page_size, ignore_output=ignore_output)
     reqs = trace.requests
@@ -130,7 +156,7 @@ def replay(
         n_out = 0 if ignore_output else r.output_len
         n_in = len(r.blocks) * (trace.block_size or 0) + 1 if r.blocks is not None else r.input_len
         unbounded += (n_in + n_out) // tiers.page_size + 1
-    cache = build_cache(tiers, unbounded)
+    cache = build_cache(tiers, unbounded, page_ids=page_ids)
     res = SimResult(
         device_pages=tiers.device_pages if tiers.device_pages is not None else unbounded,
         host_pages=tiers.host_pages if tiers.host_pages is not None else unbounded,
@@ -140,9 +166,17 @@ def replay(
     bar = _progress(len(reqs), progress, "replaying")
     try:
         for i, req in enumerate(reqs):
-            prompt, output = layout.prompt_output(req)
-            sr = simulate_request(cache, req.rid or str(i), prompt, output, req.extra_key)
-            dev, host, sto = sr.device_hit_tokens, sr.host_hit_tokens, sr.storage_hit_tokens
+            rid = req.rid or str(i)
+            if page_ids:
+                pr = layout.paged(req)
+                sr = replay_request(cache, rid, pr.pages[: pr.n_lookup], pr.pages,
+                                    req.extra_key, req.input_len)
+                dev, host, sto = (sr.device_hit_tokens * ps, sr.host_hit_tokens * ps,
+                                  sr.storage_hit_tokens * ps)
+            else:
+                prompt, output = layout.prompt_output(req)
+                sr = simulate_request(cache, rid, prompt, output, req.extra_key)
+                dev, host, sto = sr.device_hit_tokens, sr.host_hit_tokens, sr.storage_hit_tokens
             over = dev + host + sto - req.input_len
             if over > 0:
                 res.capped_tokens += over
@@ -174,8 +208,16 @@ def replay(
             bar.close()
     if trace.format == "engine":
         res.engine_cached_tokens = engine_total
-    stats = cache.stats
-    res.cache_stats = dict(stats.as_dict()) if hasattr(stats, "as_dict") else {}
+    stats = dict(cache.stats.as_dict())
+    if page_ids:  # the cache counted pages where it says tokens
+        for k in list(stats):
+            if k.endswith("_tokens") and k != "input_tokens":
+                stats[k] *= ps
+        stats["hit_tokens"] = sum(stats[k] for k in (
+            "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"))
+        stats["hit_rate"] = stats["hit_tokens"] / stats["input_tokens"] if stats[
+            "input_tokens"] else 0.0
+    res.cache_stats = stats
     close = getattr(cache, "close", None)
     if close is not None:
         close()
