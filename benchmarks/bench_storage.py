@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records held by all clients of one run together")
     p.add_argument("--repeat", type=int, default=3, help="runs per config; median reported")
     p.add_argument("--quick", action="store_true",
-                   help="small and short: 64K,1M; 1,4 clients; 0.5 s; 1 repeat")
+                   help="small and short: 64K,1M; 1,4 clients; 0.3 s; 1 repeat; no diagnostic "
+                   "targets unless named")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_storage.json"))
     p.add_argument("--mode", default="throughput", choices=sorted(MODES))
     p.add_argument("--list", action="store_true", help="list the targets and exit")
@@ -373,13 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.sizes = "64K,1M" if args.sizes == "64K,1M,4M" else args.sizes
         args.clients = "1,4" if args.clients == "1,8" else args.clients
-        args.seconds = min(args.seconds, 0.5)
+        args.seconds = min(args.seconds, 0.3)
         args.repeat = 1
-        args.working_set_mb = min(args.working_set_mb, 64)
+        args.working_set_mb = min(args.working_set_mb, 32)
     from benchmarks.storage_targets import discover_targets
 
     names = [n for n in args.targets.split(",") if n]
     targets = discover_targets(names or None)
+    if args.quick:
+        targets = [t for t in targets if "diagnostic" not in t.marks or t.name in names]
     if args.list:
         for t in targets:
             print(t.name, f"(baseline of {t.baseline_of})" if t.baseline_of else "", *t.marks)
