@@ -73,6 +73,13 @@ class Engine:
         cfg = ModelConfig.from_dir(self.model_path)
         self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype, self.device)
         self.context_length = args.context_length or cfg.max_position_embeddings
+        if cfg.sliding_window and self.context_length > cfg.sliding_window:
+            # Full attention equals sliding-window attention only within the window.
+            logger.warning(
+                "context_length %d exceeds the model's sliding window %d; using %d",
+                self.context_length, cfg.sliding_window, cfg.sliding_window,
+            )
+            self.context_length = cfg.sliding_window
         self.model = load_model(
             self.model_path, dtype=self.dtype, device=self.device,
             context_length=self.context_length,

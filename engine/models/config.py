@@ -46,6 +46,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Sliding-window attention span (Mistral; Qwen2 with use_sliding_window). We attend over the
+    # whole context, which is exact while the context is no longer than the window.
+    sliding_window: int | None = None
 
     @property
     def rope_type(self) -> str:
@@ -71,6 +74,11 @@ class ModelConfig:
         if rtype == "default":
             rope = {}
         attn_bias = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window")
+        if mtype == "qwen2" and not d.get("use_sliding_window", False):
+            window = None
+        if mtype in ("llama", "qwen3") and not d.get("use_sliding_window", False):
+            window = None
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -94,6 +102,7 @@ class ModelConfig:
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            sliding_window=int(window) if window else None,
         )
 
     @classmethod

@@ -25,6 +25,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
     ),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     ("qwen2", {}),
     ("qwen3", {"head_dim": 32}),
     ("mistral", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
@@ -122,6 +123,10 @@ def test_config_errors(tmp_path: Path) -> None:
     legacy = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear",
                                                                                "factor": 2.0}})
     assert (legacy.rope_theta, legacy.rope_type, legacy.head_dim) == (5e5, "linear", 4)
+    mistral = ModelConfig.from_dict({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.sliding_window == 4096
+    qwen2 = ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 4096})
+    assert qwen2.sliding_window is None and qwen2.qkv_bias and not qwen2.o_bias
     with pytest.raises(ConfigError, match="no config.json"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(base))
