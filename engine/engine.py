@@ -260,9 +260,17 @@ class Engine:
         keys: list[Any] = (
             list(extra_key) if isinstance(extra_key, (list, tuple)) else [extra_key] * n
         )
-        rids = []
-        for (text, ids), sp, ek in zip(items, plist_sp, keys):
-            rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek))
+        rids: list[str] = []
+        try:
+            for (text, ids), sp, ek in zip(items, plist_sp, keys):
+                rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek))
+        except Exception:
+            for rid in rids:  # all or nothing: do not leave half a batch queued
+                self.abort(rid)
+                self.scheduler.reqs.pop(rid, None)
+            sched = self.scheduler
+            sched.finished_updates = [r for r in sched.finished_updates if r.rid not in rids]
+            raise
         results: dict[str, dict[str, Any]] = {}
         while len(results) < n:
             if not self.has_unfinished():

@@ -42,6 +42,10 @@ def test_over_long_and_oversized_prompts(tiny_model: Path) -> None:
             e.add_request(input_ids=[])
         with pytest.raises(ValueError, match="out of the vocabulary"):
             e.add_request(input_ids=[1, 10**6])
+        # One bad prompt in a batch: nothing of the batch stays queued.
+        with pytest.raises(ValueError, match="the context length is 64"):
+            e.generate(input_ids=[[1, 2, 3], list(range(1, 70))])
+        assert not e.has_unfinished()
         # max_new_tokens is clipped to the context; the request finishes by length.
         r = e.generate(input_ids=list(range(1, 20)), sampling_params={"max_new_tokens": 100,
                                                                         "ignore_eos": True})[0]
