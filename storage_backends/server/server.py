@@ -326,13 +326,12 @@ class HiCacheServer:
     def _exists(self, keys: list[str]) -> int:
         flags = self.store.exists(keys)
         run = 0
-        while run < len(flags) and flags[run]:
+        for key, in_memory in zip(keys, flags):
+            # A page may be in memory only (its persistence dropped) or on disk only (evicted
+            # from memory, or not read back since a restart): either counts.
+            if not in_memory and (self.persist is None or not self.persist.exists([key])[0]):
+                break
             run += 1
-        if run < len(keys) and self.persist is not None:
-            for present in self.persist.exists(keys[run:]):
-                if not present:
-                    break
-                run += 1
         return run
 
     def _get(self, rid: int, keys: list[str]) -> P.GetReply:

@@ -269,6 +269,27 @@ def test_restart_after_clean_shutdown_serves_every_page(tmp_path: Path) -> None:
         srv.stop()
 
 
+def test_pages_evicted_from_memory_are_read_back_from_disk(tmp_path: Path) -> None:
+    with hicache_server(
+        tmp_path, capacity=str(4 * RECORD), persist_dir=tmp_path / "persist"
+    ) as srv:
+        b = srv.client()
+        c = codec()
+        keys = [page_key("spill", i) for i in range(20)]
+        recs = [page_record(c, "spill", i) for i in range(20)]
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 20
+        _wait_until(lambda: b.server_stats()["persist_pending"] == 0)
+        s = b.server_stats()
+        assert (s["pages"], s["evictions"], s["persist_written"]) == (4, 16, 20)
+        # Presence and reads fall through to disk; what is read comes back into memory.
+        assert b.batch_exists(keys) == 20
+        out = [memoryview(bytearray(RECORD)) for _ in keys]
+        assert b.batch_get(keys, out) == [True] * 20
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert b.server_stats()["pages"] == 4
+        b.close()
+
+
 def test_full_write_behind_queue_drops_persistence_not_pages(tmp_path: Path) -> None:
     persist = tmp_path / "persist"
     args = ["--persist-queue", "1", "--persist-block-ms", "0"]
