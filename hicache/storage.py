@@ -112,11 +112,12 @@ class RecordHeader:
     payload_len: int
 
 
-def verify_record(record: memoryview | bytes, key: str) -> RecordHeader:
+def verify_record(record: memoryview | bytes, key: str, *, checksum: bool = True) -> RecordHeader:
     """Check a whole record (magic, version, length, key, checksum); return its header.
 
     Raises `StorageCorrupt` naming the first check that failed. Needs no knowledge of the page
-    format, so every backend can validate what it reads.
+    format, so every backend can validate what it reads. `checksum=False` skips only the CRC,
+    for a record that `StorageBackend.batch_get` has just verified.
     """
     mv = memoryview(record).cast("B")
     if len(mv) < HEADER_BYTES:
@@ -136,9 +137,12 @@ def verify_record(record: memoryview | bytes, key: str) -> RecordHeader:
         raise StorageCorrupt(
             f"record is {len(mv)} bytes, header says {HEADER_BYTES + payload_len}"
         )
-    actual = zlib.crc32(mv[HEADER_BYTES:], zlib.crc32(mv[:_CRC_OFFSET]))
-    if actual != crc:
-        raise StorageCorrupt(f"checksum mismatch (stored {crc:#010x}, computed {actual:#010x})")
+    if checksum:
+        actual = zlib.crc32(mv[HEADER_BYTES:], zlib.crc32(mv[:_CRC_OFFSET]))
+        if actual != crc:
+            raise StorageCorrupt(
+                f"checksum mismatch (stored {crc:#010x}, computed {actual:#010x})"
+            )
     if kd != key_digest(key):
         raise StorageCorrupt(f"record belongs to another key than {key[:16]}...")
     dtypes = {v: k for k, v in DTYPE_CODES.items()}
@@ -230,9 +234,12 @@ class PageCodec:
         self.encode_into(key, payload, memoryview(out))
         return out
 
-    def decode(self, record: memoryview | bytes, key: str) -> memoryview:
-        """Validate `record` as this format's page `key`; return a view of its payload."""
-        header = verify_record(record, key)
+    def decode(
+        self, record: memoryview | bytes, key: str, *, checksum: bool = True
+    ) -> memoryview:
+        """Validate `record` as this format's page `key`; return a view of its payload.
+        `checksum=False`: the record came from `StorageBackend.batch_get`, which checked it."""
+        header = verify_record(record, key, checksum=checksum)
         if header.namespace != self.namespace:
             raise StorageCorrupt("record is from another namespace")
         if (header.dtype, header.layout, header.shape, header.token_count) != (
