@@ -229,7 +229,7 @@ def setting(
         value: Any = conv(raw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: bad value {raw!r} ({e})") from e
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _converter(default: object, key: str) -> Callable[[Any], Any]:
