@@ -33,7 +33,7 @@ from tests.storage_backends.redis_servers import HAVE_REDIS, SKIP_REASON, RedisS
 pytestmark = pytest.mark.slow
 
 
-def _kill_during_writes(engine: Engine, kill: Callable[[], None]) -> threading.Thread:
+def _kill_during_writes(engine: Engine, kill: Callable[[], object]) -> threading.Thread:
     """A thread that SIGKILLs the server as soon as the engine's first L3 writes went out."""
 
     def run() -> None:
@@ -57,8 +57,8 @@ def _failures(engine: Engine) -> int:
     return int(s["storage"]["errors"]) + int(s["storage_errors"]) + int(s["storage_failed_pages"])
 
 
-def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], None],
-                 restart: Callable[[], None], seed: int, resume_timeout: float = 90.0) -> None:
+def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], object],
+                 restart: Callable[[], object], seed: int, resume_timeout: float = 90.0) -> None:
     burst = make_prompts(24, seed)
     killer = _kill_during_writes(engine, kill)
     assert outputs(engine, burst) == reference(burst)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def test_console_script_exits_2_naming_the_line(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def mutate(draw: st.DrawFn, line: str) -> str:
+def mutate(draw: Callable[[st.SearchStrategy[Any]], Any], line: str) -> str:
     kind = draw(st.sampled_from(["truncate", "field", "insert", "drop"]))
     if kind == "truncate":
         return line[: draw(st.integers(0, max(0, len(line) - 1)))]
