@@ -118,3 +118,33 @@ def test_hierarchical_cache(
     if write_policy == "write_through":
         assert st["storage_hit_tokens"] > 0
     storage_hits[f"{write_policy}/{prefetch_policy}/{backend}"] = int(st["storage_hit_tokens"])
+
+
+@pytest.mark.parametrize(
+    ("layout", "io_backend"),
+    [("page_first", "direct"), ("page_first_direct", "kernel"), ("layer_first", "kernel")],
+)
+def test_host_layouts(
+    tiny_model: Path,
+    sessions: Any,
+    reference: list[list[int]],
+    tmp_path: Path,
+    layout: str,
+    io_backend: str,
+) -> None:
+    with Engine(
+        model_path=str(tiny_model),
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=layout,
+        hicache_io_backend=io_backend,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
+                                              "prefetch_threshold": 8},
+        **BASE,
+    ) as e:
+        out = run_sessions(e, sessions)
+        _check_idle(e)
+        st = e.cache_stats()
+    assert out == reference
+    assert st["host_hit_tokens"] > 0 and st["storage_hit_tokens"] > 0
