@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -151,8 +153,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
     try:
         yield srv.wait_ready()
     finally:
-        code = srv.stop()
+        # Ctrl-C in a terminal: SIGINT to the whole process group. Both processes end cleanly.
+        if srv.proc.alive():
+            os.killpg(srv.proc.pid, signal.SIGINT)
+        assert srv.proc.proc is not None
+        try:
+            code = srv.proc.proc.wait(timeout=120)
+        finally:
+            srv.proc.kill()
         assert code == 0, srv.proc.log()[-4000:]
+        assert "scheduler exited with 0" in srv.proc.log()
 
 
 def test_help_lists_every_field() -> None:
