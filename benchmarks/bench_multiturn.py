@@ -161,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs",
                    default="off,device,hicache,hicache_l3,l3_restart,off_restart")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results"
-                   / "bench_multiturn.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output (default benchmarks/results/bench_multiturn[_quick].json)")
     a = p.parse_args(argv)
     if a.quick:
         a.users, a.turns, a.system_tokens, a.user_tokens = 16, 4, 256, 48
-        a.hidden, a.layers, a.device_tokens, a.concurrency = 256, 4, 1536, 2
-        a.out = a.out.with_name("bench_multiturn_quick.json")
-
+        a.hidden, a.layers, a.device_tokens, a.concurrency = 512, 2, 1536, 2
+    if a.out is None:
+        name = "bench_multiturn_quick.json" if a.quick else "bench_multiturn.json"
+        a.out = ROOT / "benchmarks" / "results" / name
     import torch
 
     from engine.engine import Engine
