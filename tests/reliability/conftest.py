@@ -3,6 +3,7 @@ caching-off reference every output is compared with, and small waiting helpers."
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -114,8 +115,16 @@ class Reference:
         return [self._memo[tuple(p)] for p in prompts]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The tiny model borrows the demo model's tokenizer: build that in a temp dir, never in the
+    user's ~/.cache."""
+    if "HICACHE_DEMO_MODEL_DIR" not in os.environ:
+        os.environ["HICACHE_DEMO_MODEL_DIR"] = str(tmp_path_factory.mktemp("demo") / "model")
+
+
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model(_demo_model_dir: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama, 2 layers, hidden 64, vocab 1024, random weights (with the demo tokenizer)."""
     return make_checkpoint(tmp_path_factory.mktemp("reliability-ckpt"), "llama")
 
