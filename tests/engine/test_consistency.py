@@ -68,8 +68,10 @@ def test_device_radix_cache(tiny_model: Path, sessions: Any, reference: list[lis
 def storage_hits() -> Iterator[dict[str, int]]:
     hits: dict[str, int] = {}
     yield hits
-    # Across its six runs, every write policy that backs pages up to L3 got L3 hits (single runs
-    # of write_back can be unlucky: its pages reach L3 only when host memory evicts them).
+    # Across its six runs, every write policy that backs pages up to L3 got L3 hits. A single
+    # run can be unlucky: transfers are asynchronous, so with best_effort / timeout a page may
+    # still be on its way to L3 (its host copy pinned meanwhile) when the request comes back;
+    # write_back pages reach L3 only when host memory evicts them.
     for wp in ("write_through", "write_back"):
         if any(k.startswith(wp + "/") for k in hits):
             assert sum(v for k, v in hits.items() if k.startswith(wp + "/")) > 0, hits
@@ -115,7 +117,7 @@ def test_hierarchical_cache(
         assert st["evicted_host_tokens"] > 0
         assert st["storage_backup_pages"] > 0
         assert st["storage"]["set_pages"] > 0
-    if write_policy == "write_through":
+    if write_policy == "write_through" and prefetch_policy == "wait_complete":
         assert st["storage_hit_tokens"] > 0
     storage_hits[f"{write_policy}/{prefetch_policy}/{backend}"] = int(st["storage_hit_tokens"])
 
