@@ -1,9 +1,11 @@
 """The engine's HTTP API under bad input and load, on a real `hicache-engine` (front end and
-scheduler processes) serving the tiny model with host and file L3 tiers:
+scheduler processes) serving the tiny model with host and `hicache-server` L3 tiers:
 
 - `--api-key`: every endpoint but /health refuses a missing or wrong Bearer key;
 - generated requests (hypothesis; near-valid bodies with missing, unknown and type-confused
   fields, broken JSON): every answer is a well-formed 2xx or 4xx, never a 5xx or a hang;
+- the engine's `hicache-server` SIGKILLed and restarted: requests complete with the outputs of
+  caching off, /hicache/stats counts the failures, storage hits resume;
 - 64 concurrent clients for 60 s: every request completes, and once idle and flushed the pools
   are back to their baseline (no leaked page).
 """
@@ -25,7 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.procs import ManagedProcess, free_port
-from tests.reliability.conftest import wait_until
+from tests.reliability.conftest import SAMPLING as GREEDY
+from tests.reliability.conftest import Reference, make_prompts, wait_until
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "rel-key-5b1d0c"
@@ -35,14 +39,20 @@ LOAD_CLIENTS = 64
 
 
 class Server:
-    def __init__(self, tmp: Path, model: Path) -> None:
+    """`hicache-engine` (tiny model, CPU, 4-token pages) with L2 and L3 on a `hicache-server`."""
+
+    def __init__(self, tmp: Path, model: Path, store: HiCacheServerProc) -> None:
         self.port = free_port()
+        self.store = store
+        extra = {"url": store.url, "timeout_ms": 500, "prefetch_threshold": 0,
+                 "load_back_threshold": 0}
         argv = [
             sys.executable, "-m", "engine", "--host", "127.0.0.1", "--port", str(self.port),
-            "--model-path", str(model), "--device", "cpu", "--page-size", "4",
-            "--max-total-tokens", "8192", "--api-key", API_KEY,
-            "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-            "--hicache-storage-backend-extra-config", json.dumps({"path": str(tmp / "pages")}),
+            "--model-path", str(model), "--device", "cpu", "--dtype", "float32",
+            "--page-size", "4", "--max-total-tokens", "8192", "--api-key", API_KEY,
+            "--enable-hierarchical-cache", "--hicache-storage-backend", "hicache",
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+            "--hicache-storage-prefetch-policy", "wait_complete",
         ]
         self.proc = ManagedProcess(argv, tmp / "engine.log", cwd=REPO)
 
@@ -89,11 +99,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("http"), tiny_model).start()
+    tmp = tmp_path_factory.mktemp("http")
+    store = HiCacheServerProc(tmp / "store").start()
+    srv = Server(tmp, tiny_model, store)
     try:
-        yield srv
+        yield srv.start()
     finally:
         srv.proc.stop(timeout=60)
+        store.stop()
         log = srv.proc.log()
         assert "Traceback" not in log, log[-4000:]
 
@@ -306,7 +319,50 @@ def test_generated_requests_get_2xx_or_4xx(server: Server) -> None:
         raw()
     assert counts.get(200, 0) > 20 and sum(v for k, v in counts.items() if k >= 400) > 20, counts
     s = server.stats()
-    assert s["storage_backend"] == "file"
+    assert s["storage_backend"] == "hicache"
+    assert server.proc.alive()
+
+
+# ---- L3 outage seen through HTTP -----------------------------------------------------------
+
+
+def generate_ids(server: Server, prompts: list[list[int]]) -> list[list[int]]:
+    with server.client() as c:
+        r = c.post("/generate", json={"input_ids": prompts, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        return [x["output_ids"] for x in r.json()]
+
+
+@pytest.mark.slow
+def test_store_killed_and_restarted_under_http(server: Server, reference: Reference) -> None:
+    """The engine's `hicache-server` SIGKILLed: requests keep completing with the outputs of
+    caching off, /hicache/stats counts the failures, and after the restart storage hits resume
+    with no help."""
+    first = make_prompts(8, 900)
+    assert generate_ids(server, first) == reference(first)
+    before = server.idle_and_flushed()
+    server.store.kill()
+    during = make_prompts(8, 901)
+    assert generate_ids(server, first) == reference(first)
+    assert generate_ids(server, during) == reference(during)
+    out = server.idle_and_flushed()
+    assert out["storage"]["errors"] > before["storage"]["errors"]
+    assert out["storage_hit_tokens"] == before["storage_hit_tokens"]
+    server.store.start()
+    deadline = time.monotonic() + 90
+    n = 0
+    while True:
+        n += 1
+        fresh = make_prompts(8, 910 + n)
+        assert generate_ids(server, fresh) == reference(fresh)
+        hits = server.idle_and_flushed()["storage_hit_tokens"]
+        assert generate_ids(server, fresh) == reference(fresh)
+        if server.stats()["storage_hit_tokens"] > hits:
+            break
+        assert time.monotonic() < deadline, "storage hits never resumed"
+        time.sleep(0.5)
+    s = server.idle_and_flushed()
+    assert s["storage"]["corrupt_pages"] == 0 and s["corrupt_pages"] == 0
     assert server.proc.alive()
 
 
@@ -315,7 +371,8 @@ def test_generated_requests_get_2xx_or_4xx(server: Server) -> None:
 
 @pytest.mark.slow
 def test_64_clients_for_60s_complete_and_leak_nothing(server: Server) -> None:
-    base = server.idle_and_flushed()["usage"]
+    base_stats = server.idle_and_flushed()
+    base = base_stats["usage"]
     assert base["device_pages_free"] == base["device_pages_total"]
     finished_before = server.stats()["scheduler"]["finished"]
     rnd = random.Random(7)
@@ -366,5 +423,6 @@ def test_64_clients_for_60s_complete_and_leak_nothing(server: Server) -> None:
     assert (use["host_inflight_pages"], use["pending_prefetches"], use["pending_transfers"]) == (
         0, 0, 0)
     assert (use["device_cached_tokens"], use["host_cached_tokens"]) == (0, 0)
-    assert after["storage"]["corrupt_pages"] == 0 and after["storage"]["errors"] == 0
+    assert after["storage"]["corrupt_pages"] == 0
+    assert after["storage"]["errors"] == base_stats["storage"]["errors"]
     assert server.proc.alive()
