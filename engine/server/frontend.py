@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.args import EngineArgs
 from engine.sampling import SamplingParams
@@ -36,6 +37,10 @@ from hicache.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = 120.0
+# How often a non-streaming request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.5
+# Largest request body read (a bigger one is a 413 before it is read).
+MAX_BODY_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +165,10 @@ class StorageBody(_Body):
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes",
+                       code="request_too_large")
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -444,6 +453,21 @@ async def start_all(gens: list[Generation]) -> None:
         raise errors[0]
 
 
+async def results_or_abort(request: Request, gens: list[Generation]) -> list[Update]:
+    """The final updates of `gens`; when the client goes away first, abort them (their KV
+    pages are freed at once instead of when the answer nobody reads is complete)."""
+    task = asyncio.ensure_future(asyncio.gather(*(g.result() for g in gens)))
+    while True:
+        done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+        if done:
+            return list(task.result())
+        if await request.is_disconnected():
+            task.cancel()
+            for g in gens:
+                await g.abort()
+            raise ApiError(499, "the client closed the connection", code="client_closed")
+
+
 def finish_reason_str(reason: Mapping[str, Any] | None) -> str | None:
     if reason is None:
         return None
@@ -585,6 +609,31 @@ def _chat_text(msg: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path but /health (plain ASGI, so that a request
+    still sees its client disconnect)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            header = b""
+            for name, value in scope.get("headers", []):
+                if name.lower() == b"authorization":
+                    header = value
+            given = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.key):
+                response = ApiError(
+                    401, "invalid or missing API key (Authorization: Bearer KEY)",
+                    type="authentication_error", code="invalid_api_key",
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hicache-engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -607,16 +656,8 @@ def create_app(state: ServerState) -> FastAPI:
         return ApiError(500, f"internal error: {exc}", type="server_error",
                         code="internal_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                return ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                type="authentication_error", code="invalid_api_key").response()
-        response: Response = await call_next(request)
-        return response
+    if key:
+        app.add_middleware(ApiKeyMiddleware, key=key)
 
     # ---- OpenAI ------------------------------------------------------------------------------
 
@@ -682,7 +723,7 @@ def create_app(state: ServerState) -> FastAPI:
 
             return StreamingResponse(stream(), media_type="text/event-stream")
         await start_all(gens)
-        results = await asyncio.gather(*(g.result() for g in gens))
+        results = await results_or_abort(request, gens)
         for u in results:
             check_aborted(u)
         choices = []
@@ -747,7 +788,7 @@ def create_app(state: ServerState) -> FastAPI:
                 yield SSE_DONE
 
             return StreamingResponse(stream(), media_type="text/event-stream")
-        u = await gen.result()
+        (u,) = await results_or_abort(request, [gen])
         check_aborted(u)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created,
@@ -811,7 +852,7 @@ def create_app(state: ServerState) -> FastAPI:
 
             return StreamingResponse(stream(), media_type="text/event-stream")
         await start_all(gens)
-        results = await asyncio.gather(*(g.result() for g in gens))
+        results = await results_or_abort(request, gens)
         out = [shape(g, u) for g, u in zip(gens, results)]
         return JSONResponse(out[0] if single else out)
 

@@ -497,6 +497,25 @@ def test_request_log_reaches_engine(server: EngineServer) -> None:
     assert lines and {"rid", "input_ids", "output_ids", "cached_tokens"} <= set(lines[-1])
 
 
+def test_client_disconnect_aborts_request(server: EngineServer) -> None:
+    """A non-streaming client that gives up frees its request in the engine."""
+    def busy() -> int:
+        sched = server.stats()["scheduler"]
+        return int(sched["running"] + sched["waiting"])
+
+    body = {"prompt": "a long answer, please", "max_tokens": 3500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                   timeout=httpx.Timeout(30, read=1.5))
+    deadline = time.monotonic() + 60
+    while busy():
+        assert time.monotonic() < deadline, "the request outlived its client"
+        time.sleep(0.05)
+    with server.client() as c:
+        text = c.get("/metrics").text
+    assert "hicache:num_aborted_requests_total 1.0" in text
+
+
 def test_storage_backend_endpoints(server: EngineServer) -> None:
     pages = server.tmp / "pages"
     got = server.get("/hicache/storage-backend")
