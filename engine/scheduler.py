@@ -55,6 +55,7 @@ class Req:
     pages: list[int] = field(default_factory=list)  # page table
     tree_pages: int = 0  # leading pages owned by the tree (pinned by `node`)
     node: Any = None  # locked tree node (None: nothing locked)
+    admission: Any = None  # the cache's `Acquired` of the latest admission
     cached_tokens: int = -1  # prompt tokens served by the cache at first admission
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
@@ -216,11 +217,9 @@ class Scheduler:
         tokens = req.tokens
         if self.caching:
             acq = self.cache.acquire(
-                tokens[:-1],
-                extra_key=req.extra_key,
-                request_id=req.rid,
-                input_tokens=len(tokens),
+                tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False
             )
+            req.admission = acq  # counted once the request gets its pages (_prefill_step)
             req.node = acq.node
             req.pages = list(acq.device_pages)
             req.tree_pages = len(req.pages)
@@ -339,6 +338,8 @@ class Scheduler:
                         self._abort_unfittable(req)
                         continue
                     break
+                if self.caching:
+                    self.cache.record_admission(req.admission, len(req.tokens))
                 self.waiting.remove(req)
                 batch.append((req, k))
                 budget -= k

@@ -356,15 +356,37 @@ class HiRadixCache:
         extra_key: str | None = None,
         request_id: str | None = None,
         input_tokens: int | None = None,
+        count: bool = True,
     ) -> Acquired:
-        """Admit a request: finish its prefetch, match, load host pages back, lock, count."""
-        r = self._acquire(tuple(tokens), extra_key, request_id, input_tokens)
+        """Admit a request: finish its prefetch, match, load host pages back, lock, count.
+
+        `count=False` leaves the hit counters alone; the caller then calls
+        `record_admission(acq, input_tokens)` once the request really starts (an engine that
+        may still give the prefix back, for lack of pages, counts each request once).
+        """
+        t = tuple(tokens)
+        r = self._acquire(t, extra_key, request_id)
+        if count:
+            self.record_admission(r, len(t) if input_tokens is None else input_tokens)
         self._after()
         return r
 
-    def _acquire(
-        self, t: Tokens, extra_key: str | None, request_id: str | None, input_tokens: int | None
-    ) -> Acquired:
+    def record_admission(self, acq: Acquired, input_tokens: int) -> None:
+        """Count one admitted request of `input_tokens` prompt tokens and its per-tier hits."""
+        st = self._stats
+        st.requests += 1
+        st.input_tokens += input_tokens
+        st.device_hit_tokens += acq.device_hit_tokens
+        st.host_hit_tokens += acq.host_hit_tokens
+        st.storage_hit_tokens += acq.storage_hit_tokens
+        if acq.storage_hit_tokens:
+            st.storage_hit_requests += 1
+        elif acq.host_hit_tokens:
+            st.host_hit_requests += 1
+        elif acq.device_hit_tokens:
+            st.device_hit_requests += 1
+
+    def _acquire(self, t: Tokens, extra_key: str | None, request_id: str | None) -> Acquired:
         ps = self.page_size
         cfg = self.config
         from_storage = 0
@@ -406,18 +428,6 @@ class HiRadixCache:
                         break
         storage_hit = min(from_storage, loaded)
         host_hit = loaded - storage_hit
-        st = self._stats
-        st.requests += 1
-        st.input_tokens += len(t) if input_tokens is None else input_tokens
-        st.device_hit_tokens += dev_tokens
-        st.host_hit_tokens += host_hit
-        st.storage_hit_tokens += storage_hit
-        if storage_hit:
-            st.storage_hit_requests += 1
-        elif host_hit:
-            st.host_hit_requests += 1
-        elif dev_tokens:
-            st.device_hit_requests += 1
         pages: list[int] = []
         for x in used:
             pages.extend(x.value)  # type: ignore[arg-type]
