@@ -7,6 +7,7 @@
 #
 #   scripts/two_engines_one_store.sh            # picks free ports, cleans up on exit
 #   STORE_PORT=30100 A_PORT=30001 B_PORT=30002 scripts/two_engines_one_store.sh
+#   KEEP_LOGS=1 scripts/two_engines_one_store.sh  # keep the three logs (the path is printed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,9 +21,13 @@ WORK=$(mktemp -d -t hicache-two-engines.XXXXXX)
 PIDS=()
 
 cleanup() {
+  local rc=$?
+  if [ "$rc" != 0 ]; then
+    for f in "$WORK"/*.log; do echo "---- $f (last lines)"; tail -n 30 "$f"; done
+  fi
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
+  [ -n "${KEEP_LOGS:-}" ] && echo "logs kept in $WORK" || rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
 

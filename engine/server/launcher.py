@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,22 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound now (uvicorn serves on it later)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)  # not listening yet: connections are refused until uvicorn serves
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
 
 
 def served_model_name(args: EngineArgs) -> str:
@@ -107,6 +124,14 @@ class Launcher:
         stop_event = self.stop_event = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            # Bound before anything slow starts: a port in use fails in a second, not after the
+            # model has loaded.
+            listener = bind_listener(args.host, args.port)
+        except OSError as e:
+            print(f"hicache-engine: cannot listen on {args.host}:{args.port}: {e}",
+                  file=sys.stderr, flush=True)
+            return 1
         model_dir = Path(args.model_path) if args.model_path else ensure_demo_model()
         tmp = Path(tempfile.mkdtemp(prefix="hicache-engine-"))
         in_addr, out_addr = f"ipc://{tmp}/to-scheduler", f"ipc://{tmp}/from-scheduler"
@@ -155,23 +180,24 @@ class Launcher:
                 access_log=False, lifespan="off", timeout_graceful_shutdown=5,
             )
             self.server = _Server(config)
-            serve_task = asyncio.create_task(self.server.serve())
+            serve_task = asyncio.create_task(self.server.serve(sockets=[listener]))
             while not self.server.started and not serve_task.done():
                 await asyncio.sleep(0.02)
             if self.server.started:
                 print(ready_line(args, info), flush=True)
             try:
                 await serve_task
-            except SystemExit as e:  # uvicorn exits this way when it cannot bind
+            except SystemExit as e:  # uvicorn's way out of a failed start-up
                 code = int(e.code or 1)
             if not self.server.started:
-                print(f"hicache-engine: cannot serve on {args.host}:{args.port}",
+                print(f"hicache-engine: the HTTP server did not start on {args.host}:{args.port}",
                       file=sys.stderr, flush=True)
                 code = code or 1
             if self.scheduler_died is not None:
                 code = 1
             return code
         finally:
+            listener.close()
             await self._stop_scheduler(client)
             watch_task.cancel()
             recv_task.cancel()

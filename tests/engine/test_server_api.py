@@ -174,6 +174,20 @@ def test_help_lists_every_field() -> None:
     assert "(default: 30000)" in out and "(default: 127.0.0.1)" in out
 
 
+def test_port_in_use_fails_fast() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "engine", "--port", str(port)],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_health_models_and_ready_line(server: EngineServer) -> None:
     log = server.proc.log()
     assert log.count(READY) == 1
