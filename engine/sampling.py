@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -9,6 +10,10 @@ from typing import Any
 import torch
 
 from hicache.errors import ConfigError
+
+# Temperatures below this sample as greedy (SGLang does the same): dividing logits by a smaller
+# number overflows float32 and the softmax turns into NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -30,16 +35,16 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"top_k must be -1 or >= 1, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_any(cls, value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
@@ -73,10 +78,15 @@ def sample(
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             sp, idx = torch.sort(probs, descending=True)
-            # Keep the smallest set whose mass reaches top_p (always the most likely token).
+            # Keep the smallest set whose mass reaches top_p, and always the most likely token
+            # (a top_p below float32's resolution would otherwise drop every token).
             drop = (sp.cumsum(-1) - sp) >= p.top_p
+            drop[0] = False
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sp)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            out.append(int(greedy[i]))  # degenerate distribution: never fail the whole batch
+            continue
         gen = generators[i]
         tok = torch.multinomial(probs.cpu(), 1, generator=gen) if gen is not None else (
             torch.multinomial(probs.cpu(), 1)
