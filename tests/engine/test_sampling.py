@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,21 +114,14 @@ def test_sampling_params_validation() -> None:
 
 
 def test_degenerate_parameters_sample_or_refuse_cleanly():
-    import math
-
-    import pytest as _pytest
-    import torch as _torch
-
-    from engine.sampling import SamplingParams as SP
-    from engine.sampling import sample as _sample
-    from hicache.errors import ConfigError as _CE
-
-    logits = _torch.randn(3, 50)
-    params = [SP(temperature=1e-300), SP(temperature=0.7, top_p=1e-300), SP(temperature=1e-38)]
-    gens = [_torch.Generator().manual_seed(0) for _ in params]
-    toks = _sample(logits, params, gens)
-    best = logits.argmax(-1).tolist()
-    assert toks[0] == best[0] and toks[1] == best[1] and toks[2] == best[2]
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=0.7, top_p=1e-300),
+        SamplingParams(temperature=1e-38),
+    ]
+    gens = [torch.Generator().manual_seed(0) for _ in params]
+    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
     for bad in (dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=math.nan)):
-        with _pytest.raises(_CE):
-            SP(**bad)
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
