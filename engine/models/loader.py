@@ -40,17 +40,29 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def model_fingerprint(path: str | Path) -> str:
-    """A hex digest of the checkpoint's config.json bytes and its weight files' names and sizes.
+    """A hex digest naming the checkpoint's KV: config.json, and per weight file its name, size
+    and 16 evenly spaced 64 KiB samples of its bytes.
 
-    Cheap (no weight bytes are read) and equal for two copies of the same checkpoint, which is
-    what lets engines on different machines share L3 pages.
+    Equal for two copies of the same checkpoint (what lets engines on different machines share
+    L3 pages), and different for two fine-tunes of one base model, which have the same config
+    and the same file sizes but other weights: names and sizes alone would let one serve the
+    other's KV. About 1 MiB is read per file. `--model-id` overrides it.
     """
     root = Path(path)
-    h = hashlib.sha256(b"hicache/model/v1\0")
+    h = hashlib.sha256(b"hicache/model/v2\0")
     h.update((root / "config.json").read_bytes())
     for f in weight_files(root):
-        h.update(f"\0{f.name}\0{f.stat().st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"\0{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for i in range(_FINGERPRINT_SAMPLES):
+                fh.seek(size * i // _FINGERPRINT_SAMPLES)
+                h.update(fh.read(_FINGERPRINT_CHUNK))
     return h.hexdigest()
+
+
+_FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_CHUNK = 64 * 1024
 
 
 def load_model(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.attention import ForwardBatch, make_attention_backend
 from engine.models import ModelConfig, load_model, model_fingerprint
@@ -132,3 +135,21 @@ def test_config_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(base))
     with pytest.raises(ConfigError, match="no safetensors weights"):
         load_model(tmp_path)
+
+
+def test_fingerprint_tells_fine_tunes_apart(tmp_path):
+    """Same config, same file names and sizes, other weights: another namespace."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(a, safe_serialization=True)
+    shutil.copytree(a, b)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    (f,) = weight_files(b)
+    tensors = load_file(f)
+    name = sorted(tensors)[-1]
+    tensors[name] = tensors[name] + 1.0  # a "fine-tune": same shapes, other values
+    save_file(tensors, f, metadata={"format": "pt"})
+    assert f.stat().st_size == next(iter(weight_files(a))).stat().st_size
+    assert model_fingerprint(a) != model_fingerprint(b)
