@@ -1,5 +1,7 @@
 """Extreme but well-typed sampling values must be refused (a 400 over HTTP) or served, never
-crash the scheduler step (which, in `hicache-engine`, ends the scheduler process)."""
+crash the scheduler step (which, in `hicache-engine`, ends the scheduler process). Found by the
+HTTP fuzz test of test_http.py (a subnormal temperature, NaN, a top_p below float32's
+resolution made torch.multinomial raise), fixed in engine/sampling.py."""
 
 from __future__ import annotations
 
@@ -11,17 +13,7 @@ import pytest
 from engine.engine import Engine
 from tests.reliability.conftest import SAMPLING, engine_kwargs
 
-BUG = (
-    "engine/sampling.py: a positive temperature below ~1e-38 makes logits / temperature inf "
-    "(softmax NaN), and a top_p below float32's smallest subnormal becomes 0.0 in the float32 "
-    "comparison so every token is dropped; a NaN temperature passes validation (NaN < 0 is False; over HTTP json.loads accepts the NaN literal); torch.multinomial then raises RuntimeError inside "
-    "Scheduler.step and the hicache-engine scheduler process exits (every later HTTP request "
-    "gets 503). Repro: Engine(...).generate(input_ids=[5, 6, 7, 8], "
-    "sampling_params={'temperature': 1e-300, 'max_new_tokens': 2})"
-)
 
-
-@pytest.mark.xfail(strict=True, reason=BUG)
 @pytest.mark.parametrize("params", [{"temperature": 1e-300}, {"temperature": 5e-324},
                                     {"temperature": float("nan")},
                                     {"temperature": 1.0, "top_p": 1e-300}],
