@@ -391,6 +391,8 @@ def test_bad_requests_get_400(server: EngineServer) -> None:
         ("/v1/completions", b"{not json"),
         ("/v1/completions", b"[1, 2]"),
         ("/v1/completions", b""),
+        ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
+        ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}'),
         ("/v1/completions", {"max_tokens": 4}),  # no prompt
         ("/v1/completions", {"prompt": 17}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
