@@ -94,9 +94,11 @@ def detect_format(obj: Any) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+def _iter_lines(path: Path) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
+    """Non-blank lines with their 1-based numbers; a line that is not UTF-8 comes as the
+    decode error, so the reader can name (or skip) that very line."""
     try:
-        fh = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
         raise TraceError(path, None, "no such file") from None
     except IsADirectoryError:
@@ -104,12 +106,13 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
     except OSError as e:
         raise TraceError(path, None, f"cannot open: {e.strerror}") from None
     with fh:
-        try:
-            for lineno, line in enumerate(fh, start=1):
-                if line.strip():
-                    yield lineno, line
-        except UnicodeDecodeError as e:
-            raise TraceError(path, None, f"not UTF-8 text ({e.reason})") from None
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, e
 
 
 def _int(obj: dict[str, Any], key: str, minimum: int = 0) -> int:
@@ -324,7 +327,7 @@ def read_trace(
             bad_numbers.append(lineno)
         logger.debug("%s:%d: skipped: %s", current, lineno, msg)
 
-    def lines() -> Iterator[tuple[int, str]]:
+    def lines() -> Iterator[tuple[int, str | UnicodeDecodeError]]:
         nonlocal current
         for f in files:
             current = f
@@ -333,6 +336,9 @@ def read_trace(
     for lineno, line in lines():
         if limit is not None and len(requests) >= limit:
             break
+        if isinstance(line, UnicodeDecodeError):
+            reject(lineno, f"not UTF-8 text ({line.reason})")
+            continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
