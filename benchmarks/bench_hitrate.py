@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "one_config_replay_vs_lmcache_fast": t_lm_fast / t_lm_replay,
             "one_config_replay_vs_lmcache_report": t_lm_full / t_lm_replay,
             "note": "> 1: ours is faster. The one-configuration replay drives the real "
-            "HiRadixCache with token lists; LMCache's simulator is a flat dict of chunk hashes.",
+            "HiRadixCache (page ids, the tool's default replay mode); LMCache's simulator is a flat dict of chunk hashes.",
         }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
