@@ -337,8 +337,17 @@ def validation_mb_s(record_bytes: int, seconds: float = 0.3) -> float:
 # `run_soak(args, targets, tmp) -> dict`, register it below, and add its flags in `build_parser`
 # under the "soak" argument group; `main` dispatches on `args.mode` and writes whatever dict the
 # mode returns under "results".
+def run_soak(args: argparse.Namespace, targets: list[Any], tmp: Path) -> dict[str, Any]:
+    """`--soak`: N client processes x S seconds of mixed get / set / exists per target, every
+    page checked bit for bit, then a full read-back (benchmarks/soak_storage.py)."""
+    from benchmarks.soak_storage import run_soak as soak
+
+    return soak(args, targets, tmp)
+
+
 MODES: dict[str, Callable[[argparse.Namespace, list[Any], Path], dict[str, Any]]] = {
     "throughput": run_throughput,
+    "soak": run_soak,
 }
 
 
@@ -365,12 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the targets and exit")
     p.add_argument("--tmp", default="", help="directory for files and servers (default: a "
                    "fresh temp dir, removed afterwards)")
-    # p.add_argument_group("soak")  <- the soak mode's flags go here.
+    p.add_argument("--soak", action="store_true",
+                   help="soak mode (same as --mode soak); targets default to hicache,redis")
+    from benchmarks.soak_storage import add_soak_arguments
+
+    add_soak_arguments(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.soak:
+        args.mode = "soak"
+    if args.mode == "soak" and not args.targets:
+        args.targets = "hicache,redis"
+    if args.mode == "soak" and args.out == build_parser().get_default("out"):
+        args.out = str(REPO / "benchmarks" / "results" / "bench_storage_soak.json")
     if args.quick:
         args.sizes = "64K,1M" if args.sizes == "64K,1M,4M" else args.sizes
         args.clients = "1,4" if args.clients == "1,8" else args.clients
@@ -414,7 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(out["rows"])
         print("\nrecord validation (verify_record) on this machine: " + ", ".join(
             f"{k}: {v:.0f} MB/s" for k, v in out.get("validation_mb_s", {}).items()))
+    if "soak" in out:
+        from benchmarks.soak_storage import print_soak
+
+        print_soak(out["soak"])
     print(f"\nwrote {args.out}")
+    if "soak" in out and not all(r["ok"] for r in out["soak"]):
+        return 1
     return 0
 
 

@@ -10,7 +10,7 @@ with capacity above the working set, so nothing is evicted). Reports, per target
 pages/s, p50/p99 latency per op, errors, mismatches, and pages lost.
 
     python -m benchmarks.soak_storage --targets hicache,redis --processes 8 --seconds 60
-    python benchmarks/bench_storage.py --mode soak ...   (same flags, same JSON)
+    python benchmarks/bench_storage.py --soak ...   (same flags and rows, in its JSON report)
 
 Exit status 1 when any client saw an error or a wrong page, or a page was lost.
 """
