@@ -999,6 +999,16 @@ class HiRadixCache:
         self.storage = None
         self.controller = self._make_controller()
 
+    def clear_storage(self) -> None:
+        """Delete every page of the attached L3 backend (other instances' pages included).
+        Waits for transfers in flight first. Call while idle."""
+        if self.storage is None:
+            raise ConfigError("no storage backend is attached")
+        for rid in list(self._prefetches):
+            self.cancel_prefetch(rid)
+        self.flush()
+        self.storage.clear()
+
     def close(self) -> None:
         try:
             self.flush(timeout=60)

@@ -188,11 +188,9 @@ class SchedulerProcess:
                 logger.info("detached storage backend %s", old)
                 return resp(backend=None, detached=old)
             if op == "clear_storage":
-                storage = getattr(e.cache, "storage", None)
-                if storage is None:
+                if getattr(e.cache, "storage", None) is None:
                     return resp(400, "no storage backend is attached")
-                e.wait_transfers(60)
-                storage.clear()
+                e.cache.clear_storage()
                 logger.info("cleared storage backend %s", self.backend)
                 return resp(backend=self.backend, cleared=True)
         except (ConfigError, HiCacheError, ValueError, TypeError, OSError) as err:

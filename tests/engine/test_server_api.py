@@ -559,6 +559,10 @@ def test_storage_backend_endpoints(server: EngineServer) -> None:
         while server.stats()["scheduler"]["running"] + server.stats()["scheduler"]["waiting"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        # A prompt of several pages, so this test does not rely on earlier ones for L3 pages.
+        r = c.post("/generate", json={"text": "page " * 200,
+                                      "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200, r.text
         server.wait_transfers()
         assert any(pages.rglob("*")), "write-through reached the file store"
         r = c.post("/hicache/storage-backend/clear")

@@ -174,3 +174,16 @@ def test_reset_drops_everything():
     assert list(c.tree.nodes()) == []
     assert c.device_alloc.num_free == 16 and c.host_alloc.num_free == 32
     c.check_integrity(0)
+
+
+def test_clear_storage_empties_l3():
+    from tests.hicache.factories import tensor_cache
+
+    c = tensor_cache(synchronous=True)
+    pages = c.alloc_device(4)
+    c.insert(list(range(16)), pages)
+    keys = c.storage_keys(next(iter(c.tree.nodes())))
+    assert c.storage.batch_exists(keys) == 4
+    c.clear_storage()
+    assert c.storage.batch_exists(keys) == 0
+    c.check_integrity(0)
