@@ -33,6 +33,7 @@ CACHE_EXTRA_KEYS = (
     "storage_batch_pages",
     "write_through_threshold",
     "load_back_threshold",
+    "storage_retry_backoff",
 )
 
 

@@ -262,7 +262,7 @@ class Scheduler:
             return True
         avail = free
         if self.caching:
-            evictable = self.cache.usage()["device_evictable_tokens"] // ps
+            evictable = self.cache.evictable_device_tokens() // ps
             avail += max(0, evictable - matched)
         if avail >= need:
             return True

@@ -318,6 +318,11 @@ class TransferController:
     def pending(self) -> int:
         return self._pending
 
+    @property
+    def threads_alive(self) -> int:
+        """Worker threads running (3 in threaded mode, 0 when synchronous or closed)."""
+        return sum(t.is_alive() for t in self._threads)
+
     # -- synchronous movement -------------------------------------------------------------
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:

@@ -1031,6 +1031,10 @@ class HiRadixCache:
     def storage_stats(self) -> BackendStats | None:
         return self.storage.stats() if self.storage is not None else None
 
+    def evictable_device_tokens(self) -> int:
+        """Device tokens held by the tree and not locked (O(1)): what eviction could free."""
+        return (self.tree.device_pages - self.tree.locked_device_pages) * self.page_size
+
     def usage(self) -> dict[str, int]:
         """Pool and tree occupancy, in pages and tokens."""
         ps = self.page_size
@@ -1054,6 +1058,9 @@ class HiRadixCache:
             "host_inflight_pages": sum(len(v) for v in self._host_inflight.values()),
             "pending_prefetches": len(self._prefetches),
             "pending_transfers": self.controller.pending,
+            # Health: background transfer threads alive (3 unless synchronous), L3 backing off.
+            "transfer_threads_alive": self.controller.threads_alive,
+            "storage_down": int(self.controller.storage_down),
         }
 
     def check_integrity(self, outside_device_pages: int | None = None) -> None:
@@ -1101,6 +1108,13 @@ class HiRadixCache:
                 f"{x}: host_ref below its children's"
             )
             assert x.lock_ref >= 0 and x.host_ref >= 0, f"{x}: negative pin"
+        locked = sum(len(x.value) for x in self.tree.nodes() if x.value is not None and x.lock_ref)
+        assert self.tree.device_pages == len(dev_seen), (
+            f"tree counts {self.tree.device_pages} device pages, holds {len(dev_seen)}"
+        )
+        assert self.tree.locked_device_pages == locked, (
+            f"tree counts {self.tree.locked_device_pages} locked device pages, holds {locked}"
+        )
         inflight: set[int] = set()
         for pages in self._host_inflight.values():
             for pg in pages:

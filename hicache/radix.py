@@ -109,6 +109,10 @@ class RadixTree:
         self._ids = count(1)
         self.roots: dict[str | None, TreeNode] = {}
         self.tick = 0
+        # Device pages held by nodes, and those of them under a lock (kept exact by set_value,
+        # inc_lock, dec_lock and remove_leaf), so "evictable" is O(1).
+        self.device_pages = 0
+        self.locked_device_pages = 0
 
     # -- roots and nodes ---------------------------------------------------------------------
 
@@ -139,13 +143,19 @@ class RadixTree:
         parent.children[first] = node
         return node
 
-    @staticmethod
-    def set_value(node: TreeNode, pages: list[int] | None) -> None:
+    def set_value(self, node: TreeNode, pages: list[int] | None) -> None:
         """Set (or clear, with None) the device pages of `node`, keeping its parent's count of
-        device children exact. Every change of `TreeNode.value` goes through here."""
+        device children and the tree's page counts exact. Every change of `TreeNode.value`
+        goes through here."""
         parent = node.parent
         if parent is not None:
             parent.device_children += (pages is not None) - (node.value is not None)
+        delta = (len(pages) if pages is not None else 0) - (
+            len(node.value) if node.value is not None else 0
+        )
+        self.device_pages += delta
+        if node.lock_ref > 0:
+            self.locked_device_pages += delta
         node.value = pages
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -156,6 +166,9 @@ class RadixTree:
             raise ValueError("cannot remove a root")
         if node.value is not None:
             parent.device_children -= 1
+            self.device_pages -= len(node.value)
+            if node.lock_ref > 0:
+                self.locked_device_pages -= len(node.value)
         del parent.children[node.key[: self.page_size]]
         node.removed = True
         node.parent = None
@@ -246,6 +259,8 @@ class RadixTree:
 
     def inc_lock(self, node: TreeNode) -> None:
         for x in self.path(node):
+            if x.lock_ref == 0 and x.value is not None:
+                self.locked_device_pages += len(x.value)
             x.lock_ref += 1
 
     def dec_lock(self, node: TreeNode) -> list[TreeNode]:
@@ -257,6 +272,8 @@ class RadixTree:
             x.lock_ref -= 1
             if x.lock_ref == 0:
                 freed.append(x)
+                if x.value is not None:
+                    self.locked_device_pages -= len(x.value)
         return freed
 
     def inc_host_ref(self, node: TreeNode) -> None:
@@ -293,6 +310,7 @@ class RadixTree:
             for x in list(r.children.values()):
                 x.parent = None
         self.roots.clear()
+        self.device_pages = self.locked_device_pages = 0
 
 
 def common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:

@@ -33,7 +33,9 @@ class CacheStats:
     prefetch_skipped: int = 0  # not issued: below threshold, nothing in L3, or no host room
     prefetch_pages: int = 0  # pages read from L3 into host memory
     prefetch_tokens: int = 0
-    prefetch_revoked_pages: int = 0  # fetched or reserved pages dropped (request gone, duplicates)
+    # Pages read from L3 but not used: they arrived after the request was admitted, the request
+    # went away, or another request had cached them meanwhile (duplicates).
+    prefetch_revoked_pages: int = 0
     prefetch_bytes: int = 0
     prefetch_seconds: float = 0.0  # wall time spent in storage reads
     storage_backup_pages: int = 0  # pages written to L3

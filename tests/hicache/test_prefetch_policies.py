@@ -119,7 +119,8 @@ def test_dead_backend_degrades_to_l1_l2_and_recovers():
     cache.flush()
     st = cache.stats
     assert st.storage_errors >= 1 and st.backup_tokens == 32
-    assert all(t.is_alive() for t in cache.controller._threads)
+    usage = cache.usage()
+    assert usage["transfer_threads_alive"] == 3 and usage["storage_down"] == 1
     backend.down = False
     time.sleep(0.1)  # past the back-off
     cache.evict(1000)
