@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,27 +13,31 @@ from tests.storage_backends.harness import BackendFactory, Harness, config
 from tests.storage_backends.redis_servers import HAVE_REDIS, SKIP_REASON, redis_server
 
 
-@contextmanager
-def _start(tmp: Path) -> Iterator[BackendFactory]:
-    from storage_backends.redis_backend import RedisBackend
+def redis_harness(name: str, serve: Callable[[Path], AbstractContextManager[Any]]) -> Harness:
+    """A harness whose backends talk to what `serve(tmp)` starts (an object with `.url`)."""
 
-    with redis_server(tmp / "redis") as server:
+    @contextmanager
+    def start(tmp: Path) -> Iterator[BackendFactory]:
+        from storage_backends.redis_backend import RedisBackend
 
-        def make(**extra: Any) -> RedisBackend:
-            return RedisBackend(config({"url": server.url, **extra}))
+        with serve(tmp) as server:
 
-        yield make
+            def make(**extra: Any) -> RedisBackend:
+                return RedisBackend(config({"url": server.url, **extra}))
+
+            yield make
+
+    def put_raw(factory: BackendFactory, key: str, raw: bytes) -> None:
+        b = factory()
+        b.raw_put(key, raw)  # type: ignore[attr-defined]
+        b.close()
+
+    return Harness(
+        name=name,
+        start=start,
+        marks=[pytest.mark.redis, pytest.mark.skipif(not HAVE_REDIS, reason=SKIP_REASON)],
+        put_raw=put_raw,
+    )
 
 
-def _put_raw(factory: BackendFactory, key: str, raw: bytes) -> None:
-    b = factory()
-    b.raw_put(key, raw)  # type: ignore[attr-defined]
-    b.close()
-
-
-HARNESS = Harness(
-    name="redis",
-    start=_start,
-    marks=[pytest.mark.redis, pytest.mark.skipif(not HAVE_REDIS, reason=SKIP_REASON)],
-    put_raw=_put_raw,
-)
+HARNESS = redis_harness("redis", lambda tmp: redis_server(tmp / "redis"))
