@@ -3,6 +3,7 @@ and always stop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -66,10 +67,8 @@ class ManagedProcess:
         """Signal the whole process group (SIGKILL by default) and reap it."""
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
