@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,3 +50,20 @@ def config(extra: dict[str, Any] | None = None, record_bytes: int = 0) -> Storag
     return StorageConfig(extra=extra or {}, namespace="00" * 32, record_bytes=record_bytes)
 
 
+
+
+@contextmanager
+def closing_factory(build: Callable[..., StorageBackend]) -> Iterator[BackendFactory]:
+    """A factory over `build` that remembers every backend it made and closes them on exit."""
+    made: list[StorageBackend] = []
+
+    def make(**extra: Any) -> StorageBackend:
+        b = build(**extra)
+        made.append(b)
+        return b
+
+    try:
+        yield make
+    finally:
+        for b in made:
+            b.close()

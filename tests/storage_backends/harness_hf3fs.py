@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from storage_backends.hf3fs_backend import HF3FSBackend
-from tests.storage_backends.harness import BackendFactory, Harness, config
+from tests.storage_backends.harness import BackendFactory, Harness, closing_factory, config
 
 # Slots for the suite's largest record (1 MiB payload), enough of them for its largest batch
 # (128 pages); the file is preallocated once per harness.
@@ -29,18 +29,8 @@ def hf3fs_config(mount: Path, **extra: Any) -> dict[str, Any]:
 @contextmanager
 def _start(tmp: Path) -> Iterator[BackendFactory]:
     mount = tmp / "hf3fs-mount"
-    made: list[HF3FSBackend] = []
-
-    def make(**extra: Any) -> HF3FSBackend:
-        b = HF3FSBackend(config(hf3fs_config(mount, **extra)))
-        made.append(b)
-        return b
-
-    try:
-        yield make
-    finally:
-        for b in made:
-            b.close()
+    with closing_factory(lambda **extra: HF3FSBackend(config(hf3fs_config(mount, **extra)))) as f:
+        yield f
 
 
 HARNESS = Harness(name="hf3fs", start=_start)

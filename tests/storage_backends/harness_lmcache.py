@@ -8,12 +8,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.procs import ManagedProcess, free_port, wait_for_port
-from tests.storage_backends.harness import BackendFactory, Harness, config
+from tests.storage_backends.harness import BackendFactory, Harness, closing_factory, config
 
 ENV = {"LMCACHE_TRACK_USAGE": "false"}
 
@@ -50,19 +49,11 @@ def _start(tmp: Path) -> Iterator[BackendFactory]:
         pytest.skip(reason)
     from storage_backends.lmcache_backend import LMCacheBackend
 
-    made: list[LMCacheBackend] = []
-    with lmcache_server(tmp) as url:
-
-        def make(**extra: Any) -> LMCacheBackend:
-            b = LMCacheBackend(config({"url": url, **extra}))
-            made.append(b)
-            return b
-
-        try:
-            yield make
-        finally:
-            for b in made:
-                b.close()
+    with (
+        lmcache_server(tmp) as url,
+        closing_factory(lambda **extra: LMCacheBackend(config({"url": url, **extra}))) as f,
+    ):
+        yield f
 
 
 HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache])

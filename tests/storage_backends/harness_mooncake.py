@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.storage_backends.harness import BackendFactory, Harness, config
+from tests.storage_backends.harness import BackendFactory, Harness, closing_factory, config
 from tests.storage_backends.mooncake_procs import (
     SegmentHolder,
     client_config,
@@ -33,19 +32,14 @@ def _start(tmp: Path) -> Iterator[BackendFactory]:
         pytest.skip(reason)
     from storage_backends.mooncake_backend import MooncakeBackend
 
-    made: list[MooncakeBackend] = []
-    with mooncake_master(tmp) as master, SegmentHolder(master, SEGMENT_BYTES, tmp):
-
-        def make(**extra: Any) -> MooncakeBackend:
-            b = MooncakeBackend(config(client_config(master, 0, **extra)))
-            made.append(b)
-            return b
-
-        try:
-            yield make
-        finally:
-            for b in made:
-                b.close()
+    with (
+        mooncake_master(tmp) as master,
+        SegmentHolder(master, SEGMENT_BYTES, tmp),
+        closing_factory(
+            lambda **extra: MooncakeBackend(config(client_config(master, 0, **extra)))
+        ) as f,
+    ):
+        yield f
 
 
 HARNESS = Harness(name="mooncake", start=_start, marks=[pytest.mark.mooncake])
