@@ -492,6 +492,15 @@ class HiRadixCache:
         """Give back device pages the caller did not hand to the tree."""
         self.device_alloc.free(pages)
 
+    def _alloc_host_pinned(self, node: TreeNode, n: int) -> list[int] | None:
+        """`_alloc_host` with `node`'s path locked, so the host eviction it may trigger cannot
+        take `node` or its ancestors."""
+        self.tree.inc_lock(node)
+        try:
+            return self._alloc_host(n)
+        finally:
+            self._released(self.tree.dec_lock(node))
+
     def _alloc_host(self, n: int) -> list[int] | None:
         if n > self.host_alloc.num_pages:
             return None
@@ -576,12 +585,7 @@ class HiRadixCache:
             return True
         chain.reverse()
         n = sum(x.num_pages for x in chain)
-        # Pin the chain so host eviction below cannot touch it, then allocate.
-        self.tree.inc_lock(node)
-        try:
-            host = self._alloc_host(n)
-        finally:
-            self._released(self.tree.dec_lock(node))
+        host = self._alloc_host_pinned(node, n)
         if host is None:
             self._stats.backup_skipped_tokens += n * self.page_size
             return False
@@ -656,11 +660,7 @@ class HiRadixCache:
         """Synchronous device -> host copy of `node` (eviction under write_back)."""
         assert node.value is not None
         k = len(node.value)
-        self.tree.inc_lock(node)
-        try:
-            host = self._alloc_host(k)
-        finally:
-            self._released(self.tree.dec_lock(node))
+        host = self._alloc_host_pinned(node, k)
         if host is None:
             self._stats.backup_skipped_tokens += k * self.page_size
             return False
