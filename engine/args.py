@@ -28,6 +28,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 # they are taken out before the rest goes to the backend.
 CACHE_EXTRA_KEYS = (
     "prefetch_threshold",
+    "prefetch_max_host_share",
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "storage_batch_pages",
