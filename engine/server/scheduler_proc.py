@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 # Keys of a backend's extra config whose values are never echoed back by GET.
 _SECRET_WORDS = ("token", "password", "secret", "key", "credential")
+# How long (ms) an idle loop waits for a message before it applies transfer acks again. This bounds
+# how late an idle engine submits the L3 backup of a page whose device->host copy finished: a
+# prefix reaches L3 within IDLE_POLL_MS plus the backend's write time of its request finishing.
+IDLE_POLL_MS = 20
 # How often (seconds) the transfer counters are sampled for the bandwidth histograms.
 _BANDWIDTH_PERIOD = 0.25
 _MAX_SAMPLES = 4096
@@ -223,9 +227,13 @@ class SchedulerProcess:
                 logger.error("the front end went away; stopping")
                 break
             busy = e.has_unfinished()
-            self.drain(0 if busy else 20)
+            self.drain(0 if busy else IDLE_POLL_MS)
             if self.stop:
                 break
+            if not e.has_unfinished():
+                # Idle: apply acks anyway, so that finished device->host copies start their
+                # host->L3 backups now rather than when the next request wakes the scheduler.
+                e.cache.poll()
             if e.has_unfinished():
                 steps = e.scheduler.forward_steps
                 updates = e.step()
