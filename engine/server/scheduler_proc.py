@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from engine.args import CACHE_EXTRA_KEYS, EngineArgs
+from engine.kv_events import EventCollector, KVEventPublisher, KVEventsConfig
 from engine.server import protocol as P
 from hicache.errors import CapacityError, ConfigError, HiCacheError
 
@@ -105,6 +106,22 @@ class SchedulerProcess:
         )
         self.backend_extra: dict[str, Any] = args.storage_extra_config() if self.backend else {}
         self.bandwidth = _Bandwidth()
+        self.events: EventCollector | None = None
+        self.publisher: KVEventPublisher | None = None
+        kv_events = KVEventsConfig.from_any(args.kv_events_config)
+        if kv_events.enabled:
+            if not self.engine.caching:
+                logger.warning("--kv-events-config: no prefix cache (disable_radix_cache), "
+                               "no KV events to publish")
+            else:
+                self.publisher = KVEventPublisher(kv_events)
+                self.events = EventCollector()
+                self.engine.cache.set_event_sink(self.events)
+
+    def publish_events(self) -> None:
+        """One batch per loop pass: the cache events of this step (or of idle acks)."""
+        if self.events is not None and self.publisher is not None and self.events.events:
+            self.publisher.publish(self.events.take())
 
     def send(self, msg: Any) -> None:
         self.push.send(P.encode(msg))
@@ -257,6 +274,7 @@ class SchedulerProcess:
                 elif e.scheduler.forward_steps == steps:
                     # Waiting on a prefetch (or nothing admissible): do not spin.
                     self.drain(2)
+            self.publish_events()
             now = time.monotonic()
             if e.caching and now >= next_sample:
                 next_sample = now + _BANDWIDTH_PERIOD
@@ -265,7 +283,10 @@ class SchedulerProcess:
     def close(self) -> None:
         try:
             self.engine.shutdown()
+            self.publish_events()  # the last backups' events
         finally:
+            if self.publisher is not None:
+                self.publisher.close()
             self.pull.close(0)
             self.push.close(0)
             self.ctx.term()
