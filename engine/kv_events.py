@@ -307,7 +307,11 @@ class EventCollector:
 
 class KVEventSubscriber:
     """A SUB socket (bound or connected as `endpoint` says, the mirror of the publisher's rule)
-    and an optional replay client. For routers written in Python, and for the tests."""
+    and an optional replay client. For routers written in Python, and for the tests.
+
+    NOTE: keep calling `recv()` (a receiving thread): a bound SUB socket hands its subscription
+    to a publisher that connects only when the socket is next used, and until then that
+    publisher drops every batch (they can be replayed)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  bind: bool | None = None) -> None:

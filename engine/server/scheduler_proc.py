@@ -3,6 +3,9 @@
 Started by the launcher as `python -m engine.server.scheduler_proc ARGS_JSON IN_ADDR OUT_ADDR`.
 It PULLs `GenerateReq` / `AbortReq` / `ControlReq` / `ShutdownReq` from the front end, steps the
 engine whenever it has work and PUSHes one `BatchOut` per step with every request's new tokens.
+While idle it still applies the cache's transfer acks every `IDLE_POLL_MS`, so write-through
+reaches L3 without waiting for the next request. With `--kv-events-config` it publishes the
+cache's events (one batch per loop pass) through `engine.kv_events.KVEventPublisher`.
 It exits when told to, on SIGTERM, or when its parent (the front end) goes away. SIGINT is
 ignored: Ctrl-C reaches the front end, which shuts this process down in order.
 """
