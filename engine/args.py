@@ -153,6 +153,7 @@ class EngineArgs:
             f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}",
         )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs must be >= 0")
         check(
             self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be >= page_size ({self.page_size}), "
