@@ -66,6 +66,8 @@ KNOWN_KEYS = (
     "path", "capacity_bytes", "fsync", "o_direct", "read_threads", "scan_on_start", "stale_tmp_s"
 )
 DEFAULT_READ_THREADS = 4
+# A thread hand-off costs tens of microseconds: smaller batches are read by the caller alone.
+PARALLEL_READ_BYTES = 256 << 10
 FSYNC_POLICIES = ("none", "data", "always")
 _HEX_KEY = re.compile(r"[0-9a-f]{8,128}")
 _PAGE_NAME = re.compile(r"(?:[0-9a-f]{8,128}|x[0-9a-f]{64})")
@@ -299,15 +301,16 @@ class FileBackend(StorageBackend):
         self, keys: Sequence[str], out: Sequence[memoryview], *, check: bool
     ) -> list[Checked]:
         """Read `keys` into `out` with up to `read_threads` threads (contiguous slices of the
-        batch; the caller's thread takes the first)."""
+        batch, at least `PARALLEL_READ_BYTES` each; the caller's thread takes the first)."""
         n = len(keys)
+        total = sum(memoryview(o).nbytes for o in out)
         res: list[Checked] = [_MISSING] * n
 
         def work(lo: int, hi: int) -> None:
             for i in range(lo, hi):
                 res[i] = self._read_one(keys[i], byte_view(out[i]), check)
 
-        parts = min(self.read_threads, n)
+        parts = max(1, min(self.read_threads, n, total // PARALLEL_READ_BYTES))
         bounds = [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
         futures = [self._executor().submit(work, lo, hi) for lo, hi in bounds[1:]]
         try:

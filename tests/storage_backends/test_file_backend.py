@@ -16,7 +16,12 @@ import torch
 
 from hicache.errors import ConfigError
 from hicache.storage import HEADER_BYTES, StorageConfig
-from storage_backends.file_backend import FileBackend, default_dir, page_name
+from storage_backends.file_backend import (
+    PARALLEL_READ_BYTES,
+    FileBackend,
+    default_dir,
+    page_name,
+)
 from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,7 +207,7 @@ class _WhoReads(FileBackend):
 def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None:
     b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4},
                                 namespace=NAMESPACE.hex()))
-    codec = make_codec(20000)
+    codec = make_codec(PARALLEL_READ_BYTES)  # 8 x 256 KiB: four slices of two pages
     keys = make_keys(8)
     recs = make_records(codec, keys)
     assert b.batch_set(keys, views(recs)) == [True] * 8
@@ -226,6 +231,21 @@ def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None
     st = b.stats()
     assert (st.get_pages, st.get_hits, st.corrupt_pages, st.errors) == (8, 7, 1, 0)
     assert not bad.exists()  # the corrupt page was deleted
+    b.close()
+
+
+def test_small_batches_are_read_by_the_caller(tmp_path: Path) -> None:
+    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path)}, namespace=NAMESPACE.hex()))
+    codec = make_codec(PARALLEL_READ_BYTES // 4)  # 8 records: two slices' worth of bytes
+    keys = make_keys(8)
+    assert b.batch_set(keys, views(make_records(codec, keys))) == [True] * 8
+    assert b.batch_get(keys, buffers(8, codec.record_bytes)) == [True] * 8
+    assert [b.read_by[k] for k in keys[:4]] == ["MainThread"] * 4
+    assert all(b.read_by[k].startswith("hicache-file-read") for k in keys[4:])
+    # Three records are less than one slice's worth: all read (and checked) by the caller.
+    assert b.batch_get(keys[5:], buffers(3, codec.record_bytes)) == [True] * 3
+    assert [b.read_by[k] for k in keys[5:]] == ["MainThread"] * 3
+    assert b.checked_by == b.read_by
     b.close()
 
 
