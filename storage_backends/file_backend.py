@@ -22,8 +22,9 @@ key                   meaning                                             defaul
 ``capacity_bytes``    byte cap over the pages this object knows; 0: none  0
 ``fsync``             ``none`` | ``data`` (fdatasync the file) |           ``none``
                       ``always`` (fsync the file and its directory)
-``o_direct``          use O_DIRECT where buffer address and length are    false
-                      4 KiB aligned (buffered I/O otherwise)
+``o_direct``          use O_DIRECT where the buffer's address is 4 KiB    false
+                      aligned (buffered I/O otherwise)
+``read_threads``      threads that read (and check) one batch             4
 ``scan_on_start``     build the index from the directory at start-up      true
 ``stale_tmp_s``       age after which any temp file is removed at          3600
                       start-up (a temp file of a dead local pid goes now)
@@ -55,7 +56,6 @@ from storage_backends.file_io import (
     DIRECT_ALIGN,
     O_DIRECT,
     address,
-    aligned,
     publish,
     read_file,
 )
@@ -127,6 +127,7 @@ class FileBackend(StorageBackend):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self.direct_reads = 0  # reads done with O_DIRECT (for tests and tuning)
+        self.direct_writes = 0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -403,7 +404,7 @@ class FileBackend(StorageBackend):
         tmp = os.path.join(
             shard, f".{name}.{self._host}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}"
         )
-        direct = self.o_direct and aligned(src)
+        direct = self.o_direct and len(src) > 0 and address(src) % DIRECT_ALIGN == 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644)
@@ -418,7 +419,12 @@ class FileBackend(StorageBackend):
                 raise
             self._disable_direct(e)
             fd = os.open(tmp, flags, 0o644)
-        publish(fd, tmp, os.path.join(shard, name), src, self.fsync)
+        refused = publish(fd, tmp, os.path.join(shard, name), src, self.fsync, direct)
+        if refused is not None:
+            self._disable_direct(refused)
+        elif direct:
+            with self._lock:
+                self.direct_writes += 1
 
     def _unlink_all(self, names: Sequence[str]) -> int:
         n = 0
