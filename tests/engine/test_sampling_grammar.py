@@ -1,0 +1,142 @@
+"""Structured output (engine/grammar.py, xgrammar on CPU) on the demo model's tokenizer: whatever
+the logits, a JSON-schema request's output parses and validates, a regex request's output matches,
+an EBNF request's output is in the language; bad specs are a ConfigError naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from engine.demo_model import ensure_demo_model
+from engine.grammar import GrammarCompiler, Matcher
+from engine.sampling import Sampler, SamplingParams
+from hicache.errors import ConfigError
+
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string",
+                                                                         "minLength": 1,
+                                                                         "maxLength": 4},
+                                               "maxItems": 3},
+                                      "ok": {"type": "boolean"},
+                                      "kind": {"enum": ["a", "b", "c"]}},
+     "required": ["tags", "ok", "kind"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]{2}[0-9]$"},
+                                      "inner": {"type": "object",
+                                                "properties": {"x": {"type": "number"}},
+                                                "required": ["x"]}},
+     "required": ["code", "inner"]},
+]
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[tuple[Any, int, list[int]]]:
+    from transformers import AutoTokenizer
+
+    d: Path = ensure_demo_model()
+    cfg = json.loads((d / "config.json").read_text())
+    yield AutoTokenizer.from_pretrained(d), int(cfg["vocab_size"]), list(cfg["eos_token_id"])
+
+
+def generate(compiler: GrammarCompiler, stops: list[int], params: SamplingParams, seed: int,
+             max_steps: int = 4000) -> list[int]:
+    """Samples from random logits under the request's grammar until the grammar ends."""
+    kind, spec = params.grammar or ("json_object", None)
+    m = compiler.matcher(kind, spec)
+    gen = torch.Generator().manual_seed(seed)
+    logit_gen = torch.Generator().manual_seed(seed + 1000)
+    sampler = Sampler(set(stops))
+    out: list[int] = []
+    for _ in range(max_steps):
+        if m.terminated:
+            break
+        logits = torch.randn(1, compiler.vocab_size, generator=logit_gen) * 2
+        out.append(sampler.sample(logits, [params], [out], generators=[gen],
+                                  grammars=[m]).tokens[0])
+    assert m.terminated, f"no end after {max_steps} tokens"
+    assert out[-1] in stops
+    return out[:-1]
+
+
+@pytest.mark.parametrize("any_ws", [True, False])
+@pytest.mark.parametrize("schema_i", range(len(SCHEMAS)))
+def test_json_schema_output_parses_and_validates(demo: tuple[Any, int, list[int]], schema_i: int,
+                                                 any_ws: bool) -> None:
+    tok, vocab, stops = demo
+    compiler = GrammarCompiler(tok, vocab, stops, any_whitespace=any_ws)
+    schema = SCHEMAS[schema_i]
+    params = SamplingParams(temperature=1.0, json_schema=json.dumps(schema), max_new_tokens=4000)
+    for seed in range(6):
+        text = tok.decode(generate(compiler, stops, params, seed))
+        doc = json.loads(text)  # strict: no raw control characters in strings
+        jsonschema.validate(doc, schema)
+        if not any_ws:
+            assert not re.search(r"[\t\r\n]", text), text
+
+
+def test_json_object_regex_and_ebnf(demo: tuple[Any, int, list[int]]) -> None:
+    tok, vocab, stops = demo
+    c = GrammarCompiler(tok, vocab, stops, any_whitespace=False)
+    # Any JSON object nests without bound: a bias towards closing it (and a logit_bias beside a
+    # grammar is also a case to cover) makes the random walk end.
+    close = {t: 4.0 for t in tok.convert_tokens_to_ids(["}", "]", '"'])}
+    for seed in range(4):
+        ids = generate(c, stops, SamplingParams(temperature=1.0, json_schema='{"type": "object"}',
+                                                logit_bias=close, max_new_tokens=4000), seed)
+        assert isinstance(json.loads(tok.decode(ids)), dict)
+        text = tok.decode(generate(c, stops, SamplingParams(temperature=1.0,
+                                                            regex=r"[a-z]{3}-\d{2,4}"), seed))
+        assert re.fullmatch(r"[a-z]{3}-\d{2,4}", text), text
+        text = tok.decode(generate(c, stops, SamplingParams(
+            temperature=1.0, ebnf='root ::= ("yes" | "no") " " [0-9] [0-9]?'), seed))
+        assert re.fullmatch(r"(yes|no) [0-9][0-9]?", text), text
+
+
+def test_constrained_rows_leave_the_others_alone(demo: tuple[Any, int, list[int]]) -> None:
+    tok, vocab, stops = demo
+    c = GrammarCompiler(tok, vocab, stops)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    free = SamplingParams(temperature=1.0)
+    alone = Sampler().sample(logits[[0, 2]], [free, free], [[], []], generators=[
+        torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]).tokens
+    m = c.matcher("regex", "[0-9]+")
+    mixed = Sampler().sample(logits, [free, SamplingParams(regex="[0-9]+"), free], [[], [], []],
+                             generators=[torch.Generator().manual_seed(s) for s in (1, 5, 2)],
+                             grammars=[None, m, None])
+    assert [mixed.tokens[0], mixed.tokens[2]] == alone
+    assert tok.decode([mixed.tokens[1]]).isdigit()
+    assert not m.accept(stops[0]) or m.terminated  # the matcher advanced past the digit
+
+
+def test_bad_specs_are_config_errors(demo: tuple[Any, int, list[int]]) -> None:
+    tok, vocab, stops = demo
+    c = GrammarCompiler(tok, vocab, stops)
+    for kind, spec, msg in [
+        ("regex", "[a-z", "invalid regex: Regex parsing error at position 5: Unclosed '['"),
+        ("ebnf", "root ::= ", "invalid ebnf: EBNF parser error at line 1, column 10"),
+        ("json_schema", "{bad", "invalid json_schema: Expecting property name"),
+        ("json_schema", '{"type": "nonsense"}', 'invalid json_schema: Unsupported type "nonsense"'),
+        ("xml", "x", "unknown grammar kind 'xml'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            c.compile(kind, spec)
+        assert str(e.value).startswith(msg), str(e.value)
+
+
+def test_matcher_refuses_tokens_outside_the_grammar(demo: tuple[Any, int, list[int]]) -> None:
+    tok, vocab, stops = demo
+    m: Matcher = GrammarCompiler(tok, vocab, stops).matcher("regex", "ab")
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    assert not m.accept(b)
+    assert m.accept(a) and m.accept(b) and not m.terminated
+    assert m.accept(stops[0]) and m.terminated
+    assert not m.accept(a)
