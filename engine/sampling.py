@@ -7,8 +7,9 @@ output (`json_schema`, `regex`, `ebnf`: `engine/grammar.py`).
 `Sampler.sample(logits, params, output_ids, ...)` samples one token per row of a batch's logits
 with every step batched on the device: logit processors over the [B, vocab] tensor, then for the
 sampled rows temperature, top-k, top-p and min-p as row-wise tensor operations, and one draw per
-row from the request's own `torch.Generator` (the exponential race: `argmax(probs / q)` with
-`q ~ Exp(1)`, which picks token t with probability probs[t], as vLLM samples). A row that is
+row from the request's own `torch.Generator` (inverse CDF: one uniform u per row, the first token
+whose cumulative probability reaches (1 - u) of the row's mass, found by one batched
+`searchsorted`; FlashInfer's sampling kernels draw one uniform a row the same way). A row that is
 greedy and uses no processor is `argmax(logits)`, exactly as `sample` (the engine's sampler
 until the scheduler moves to `Sampler`).
 """
@@ -265,7 +266,7 @@ def _sample_rows(
     generators: Sequence[torch.Generator | None] | None,
 ) -> list[int]:
     """Tokens for the non-greedy rows of the (processed) logits `x`: temperature, top-k, top-p,
-    min-p as [R, vocab] tensor operations, then one exponential draw per row."""
+    min-p as [R, vocab] tensor operations, then one uniform draw per row."""
     dev = x.device
     vocab = x.shape[1]
     ps = [params[i] for i in rows]
@@ -298,19 +299,18 @@ def _sample_rows(
         min_p = torch.tensor([ps[j].min_p for j in mp], dtype=sub.dtype, device=dev)[:, None]
         thr = sub.max(dim=-1, keepdim=True).values * min_p
         probs[mpi] = sub.masked_fill(sub < thr, 0.0)
-    # The exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks t with probability
-    # probs[t]. Each row draws its q from its own generator: a request's tokens depend on its
-    # seed only, never on the batch around it.
-    q = torch.empty_like(probs)
+    # Inverse CDF over the (unnormalised) kept mass: v = (1 - u) * mass lies in (0, mass], and
+    # the first token whose cumulative sum reaches v has a probability > 0 (a dropped token adds
+    # exactly 0, so its cumulative sum equals its predecessor's, which is below v). Each row
+    # draws u from its own generator: a request's tokens depend on its seed, never on the batch.
+    u = torch.empty((len(rows), 1), dtype=probs.dtype, device=dev)
     for j, i in enumerate(rows):
         gen = generators[i] if generators is not None else None
-        if gen is not None and gen.device != probs.device:
-            q[j] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(dev)
-        else:
-            q[j].exponential_(generator=gen)
-    # q == 0 (possible in float32) would turn a dropped token's 0 / 0 into NaN, which argmax
-    # picks: clamp it to the smallest normal float.
-    toks = (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        gdev = gen.device if gen is not None else dev
+        u[j] = torch.rand(1, generator=gen, device=gdev, dtype=probs.dtype).to(dev)
+    cdf = probs.cumsum(dim=-1)
+    v = (1.0 - u) * cdf[:, -1:]
+    toks = torch.searchsorted(cdf, v).squeeze(1).clamp_(max=vocab - 1)
     # A degenerate distribution (NaN, or nothing left) falls back to greedy: never fail a batch.
     ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     toks = torch.where(ok, toks, x[idx].argmax(dim=-1))

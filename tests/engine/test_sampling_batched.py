@@ -44,8 +44,8 @@ def ref_process(row: torch.Tensor, p: SamplingParams, out: Sequence[int],
 
 
 def ref_sample(x: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """One processed row: greedy, or temperature / top-k / top-p / min-p and one exponential
-    draw from the row's generator."""
+    """One processed row: greedy, or temperature / top-k / top-p / min-p and one uniform draw
+    from the row's generator, then a linear scan for the first cumulative sum reaching it."""
     if p.greedy:
         return int(x.argmax())
     z = x / torch.tensor(p.temperature, dtype=F32)
@@ -67,10 +67,14 @@ def ref_sample(x: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     if p.min_p > 0:
         thr = probs.max() * torch.tensor(p.min_p, dtype=F32)
         probs = torch.where(probs < thr, torch.zeros_like(probs), probs)
-    q = torch.empty(V).exponential_(generator=gen).clamp_(min=torch.finfo(F32).tiny)
+    u = torch.rand(1, generator=gen)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
         return int(x.argmax())
-    return int((probs / q).argmax())
+    cdf = probs.cumsum(-1)
+    v = float(((1.0 - u) * cdf[-1])[0])
+    tok = next(t for t in range(V) if float(cdf[t]) >= v)
+    assert probs[tok] > 0
+    return tok
 
 
 def random_params(rng: random.Random, max_new: int = 40) -> SamplingParams:
@@ -170,7 +174,7 @@ def test_a_seeded_request_samples_the_same_alone_or_in_any_batch() -> None:
     assert batch[1] == batch[3] == alone
 
 
-def test_the_exponential_race_samples_the_distribution() -> None:
+def test_inverse_cdf_samples_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(4000, 1)
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
