@@ -11,10 +11,16 @@ Kinds: `json_schema` (a JSON schema, text), `json_object` (any JSON object: Open
 `response_format: {"type": "json_object"}`), `regex`, `ebnf` (xgrammar's GBNF dialect, root rule
 `root`). A grammar ends with one of the model's stop tokens, which the matcher accepts.
 
-JSON strings: xgrammar 0.2.9's JSON-schema grammars let raw control characters (U+0000-U+001F,
-tab included) into strings with a `maxLength`/`minLength` or a `pattern`, which `json.loads`
-refuses; `compile` narrows those character classes to what RFC 8259 allows, so the output always
-parses (tests/engine/test_sampling_grammar.py).
+Two fixes over xgrammar 0.2.9, applied to the grammar's text before it is compiled (each found
+by tests/engine/test_sampling_grammar.py on the demo tokenizer):
+
+* JSON strings with a `maxLength`/`minLength` or a `pattern` let raw control characters
+  (U+0000-U+001F, tab included) in, which `json.loads` refuses: those character classes are
+  narrowed to what RFC 8259 allows.
+* Negated character classes (`[^...]`, JSON string characters among them) and the any-character
+  class (`[\0-\U0010ffff]`, a regex `.`) match UTF-16 surrogates U+D800-U+DFFF, i.e. the invalid
+  UTF-8 bytes ED A0-BF xx: the output then decodes to U+FFFD replacement characters (and a
+  `maxLength` string comes out too long). Those classes exclude the surrogates, for every kind.
 """
 
 from __future__ import annotations
@@ -33,7 +39,44 @@ KINDS = ("json_schema", "json_object", "regex", "ebnf")
 # RFC 8259 allows (no raw control characters).
 _LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
 _JSON_CHARS = '[^\\0-\\x1f\\"\\\\]'
+_SURROGATES = "\\ud800-\\udfff"
+_ANY_CHAR = "[\\0-\\U0010ffff]"
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[19:35:17] /project/cpp/x.cc:94: "
+
+
+def _utf8_only(text: str) -> str:
+    """The grammar `text` (xgrammar's EBNF, as it prints it) with no character class that
+    matches a surrogate: `[^` gains the surrogate range, `[\\0-\\U0010ffff]` becomes its
+    complement. Quoted literals are left alone."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    in_str = in_cls = False
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            out.append(text[i : i + 2])
+            i += 2
+            continue
+        if in_str:
+            in_str = ch != '"'
+        elif in_cls:
+            in_cls = ch != "]"
+        elif ch == '"':
+            in_str = True
+        elif text.startswith(_ANY_CHAR, i):
+            out.append(f"[^{_SURROGATES}]")
+            i += len(_ANY_CHAR)
+            continue
+        elif text.startswith("[^", i):
+            out.append(f"[^{_SURROGATES}")
+            in_cls = True
+            i += 2
+            continue
+        elif ch == "[":
+            in_cls = True
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _xgr() -> Any:
@@ -102,15 +145,14 @@ class GrammarCompiler:
                     xgr.Grammar.from_json_schema(
                         schema, strict_mode=True, any_whitespace=self.any_whitespace
                     )
-                )
-                grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
-                compiled = self._compiler.compile_grammar(grammar)
+                ).replace(_LOOSE_CHARS, _JSON_CHARS)
             elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec or "")
+                text = str(xgr.Grammar.from_regex(spec or ""))
             elif kind == "ebnf":
-                compiled = self._compiler.compile_grammar(spec or "")
+                text = str(xgr.Grammar.from_ebnf(spec or ""))
             else:
                 raise ConfigError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
+            compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(_utf8_only(text)))
         except ConfigError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message

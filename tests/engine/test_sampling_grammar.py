@@ -140,3 +140,35 @@ def test_matcher_refuses_tokens_outside_the_grammar(demo: tuple[Any, int, list[i
     assert m.accept(a) and m.accept(b) and not m.terminated
     assert m.accept(stops[0]) and m.terminated
     assert not m.accept(a)
+
+
+def test_no_surrogates_and_no_raw_control_characters(demo: tuple[Any, int, list[int]]) -> None:
+    """xgrammar 0.2.9 alone accepts the bytes ED BC 9F (a UTF-16 surrogate, invalid UTF-8) in a
+    JSON string or for a regex `.`, and a raw \\x04 in a bounded JSON string; compiled here, no."""
+    import xgrammar as xgr
+
+    from engine.grammar import _utf8_only
+
+    tok, vocab, stops = demo
+    c = GrammarCompiler(tok, vocab, stops)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=stops)
+    byte_tok = {v[0]: i for i, v in enumerate(info.decoded_vocab) if len(v) == 1}
+    bounded = json.dumps({"type": "object", "properties": {"s": {"type": "string",
+                                                                  "maxLength": 5}}})
+    cases = [("json_schema", bounded, b'{"s": "', "é中😀"), ("json_object", None, b'{"', "é中😀"),
+             ("regex", "a.b", b"a", "😀"), ("ebnf", 'root ::= [^x]+ "!"', b"", "é中😀")]
+    raw = xgr.GrammarCompiler(info)
+    for kind, spec, prefix, good in cases:
+        for bad in (b"\xed\xbc\x9f", b"\x04"):
+            if bad == b"\x04" and kind in ("regex", "ebnf"):
+                continue  # a control character is fine where the grammar allows any character
+            m = c.matcher(kind, spec)
+            assert all(m.accept(byte_tok[b]) for b in prefix)
+            assert not all(m.accept(byte_tok[b]) for b in bad), (kind, bad)
+            m = c.matcher(kind, spec)
+            assert all(m.accept(byte_tok[b]) for b in prefix + good.encode())
+        if kind == "regex":  # the unpatched grammar does accept the surrogate (the reason)
+            m2 = xgr.GrammarMatcher(raw.compile_regex(spec))
+            assert all(m2.accept_token(byte_tok[b]) for b in b"a\xed\xbc\x9f")
+    assert _utf8_only('root ::= "[^a" [^b] [\\0-\\U0010ffff]') == (
+        'root ::= "[^a" [^\\ud800-\\udfffb] [^\\ud800-\\udfff]')
