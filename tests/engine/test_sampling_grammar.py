@@ -172,3 +172,33 @@ def test_no_surrogates_and_no_raw_control_characters(demo: tuple[Any, int, list[
             assert all(m2.accept_token(byte_tok[b]) for b in b"a\xed\xbc\x9f")
     assert _utf8_only('root ::= "[^a" [^b] [\\0-\\U0010ffff]') == (
         'root ::= "[^a" [^\\ud800-\\udfffb] [^\\ud800-\\udfff]')
+
+
+def test_demo_model_json_output_validates(demo: tuple[Any, int, list[int]]) -> None:
+    """The demo model's own logits (transformers forward, greedy and sampled) under a bounded
+    schema: the output parses and validates, and the grammar ends it."""
+    from transformers import AutoModelForCausalLM
+
+    tok, vocab, stops = demo
+    model = AutoModelForCausalLM.from_pretrained(ensure_demo_model(), torch_dtype=torch.float32)
+    model.eval()
+    schema = SCHEMAS[0]
+    c = GrammarCompiler(tok, vocab, stops, any_whitespace=False)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "A person as JSON."}],
+                                     add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt, list):
+        prompt = list(prompt["input_ids"])
+    for temperature, seed in [(0.0, 0), (1.0, 1), (1.0, 2)]:
+        params = SamplingParams(temperature=temperature, json_schema=json.dumps(schema),
+                                max_new_tokens=200)
+        m = c.matcher("json_schema", params.json_schema)
+        gen = torch.Generator().manual_seed(seed)
+        out: list[int] = []
+        while not m.terminated:
+            assert len(out) < params.max_new_tokens
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out])).logits[:, -1, :].float()
+            out.append(Sampler(set(stops)).sample(logits, [params], [out], generators=[gen],
+                                                  grammars=[m]).tokens[0])
+        assert out[-1] in stops
+        jsonschema.validate(json.loads(tok.decode(out[:-1])), schema)
