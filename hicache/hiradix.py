@@ -18,37 +18,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from hicache.cache_state import CacheState
 from hicache.controller import WriteOp
+from hicache.prefix_cache import Acquired, InsertResult, MatchResult
 from hicache.radix import Tokens, TreeNode, common_pages
 
 logger = logging.getLogger(__name__)
 
-
-class MatchResult(NamedTuple):
-    device_pages: list[int]  # device pages of the cached prefix; valid only while locked
-    device_tokens: int  # leading tokens on the device
-    host_tokens: int  # tokens after those, cached in host memory only
-    last_device_node: TreeNode  # deepest node holding matched device pages (may end past them)
-    last_host_node: TreeNode  # deepest matched node, on device or host (root when nothing)
-
-
-class Acquired(NamedTuple):
-    device_pages: list[int]  # pages of the cached prefix, on the device, locked
-    cached_tokens: int  # len(device_pages) * page_size
-    node: TreeNode  # locked; give it back with release(node)
-    device_hit_tokens: int  # already on the device
-    host_hit_tokens: int  # loaded back from host memory
-    storage_hit_tokens: int  # prefetched from L3 for this request, then loaded back
-
-
-class InsertResult(NamedTuple):
-    device_pages: list[int]  # the tree's pages for the inserted full pages: use these from now on
-    duplicate_pages: list[int]  # caller pages that duplicated the tree's; already freed
-    node: TreeNode  # deepest node of the inserted sequence (not locked)
-    new_tokens: int  # tokens the tree took pages for (new nodes and re-attached host nodes)
+__all__ = ["Acquired", "HiRadixCache", "InsertResult", "MatchResult"]
 
 
 class HiRadixCache(CacheState):
