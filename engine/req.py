@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.detokenizer import TextStream
 from engine.sampling import SamplingParams
 from hicache.prefix_cache import Acquired
 from hicache.radix import TreeNode
@@ -31,7 +32,8 @@ class Req:
     cached_tokens: int = -1  # prompt tokens served by the cache at first admission
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
-    text: str = ""  # detokenized output so far (cut at a stop string)
+    text: str = ""  # the output text, cut at a stop string (set when the request finishes)
+    detok: TextStream | None = None  # incremental detokenizer and stop strings (engine.detokenizer)
     sent_tokens: int = 0  # output tokens already reported by step()
     first_token_time: float | None = None
     retractions: int = 0
