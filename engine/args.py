@@ -96,6 +96,8 @@ class EngineArgs:
     hicache_ratio: float = 2.0
     # Host pool size in GB (0 = use hicache_ratio).
     hicache_size: float = 0.0
+    # Host memory: full (an L2 cache tier) or buffer_only (only stages pages to and from L3).
+    hicache_host_memory_mode: str = "full"
     # When pages are copied to host: write_through, write_through_selective, write_back.
     hicache_write_policy: str = "write_through"
     # Host <-> device copy method: direct or kernel (layer by layer).
@@ -223,6 +225,7 @@ class EngineArgs:
             page_size=self.page_size,
             host_ratio=self.hicache_ratio,
             host_size_gb=self.hicache_size,
+            host_memory_mode=self.hicache_host_memory_mode,
             write_policy=self.hicache_write_policy,
             io_backend=self.hicache_io_backend,
             mem_layout=self.hicache_mem_layout,

@@ -53,14 +53,15 @@ op = st.one_of(
 )
 
 
+@pytest.mark.parametrize("host_memory_mode", ["full", "buffer_only"])
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective",
                                           "write_back"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=40), page_size=st.sampled_from([1, 4]))
-def test_events_rebuild_every_tier_exactly(write_policy, ops, page_size):
+def test_events_rebuild_every_tier_exactly(write_policy, host_memory_mode, ops, page_size):
     sink = Rebuild()
     cache = sim_cache(page_size=page_size, device_pages=12, host_pages=10, storage_pages=None,
-                      write_policy=write_policy)
+                      write_policy=write_policy, host_memory_mode=host_memory_mode)
     cache.set_event_sink(sink)
     running: list[tuple] = []
     rid = 0
