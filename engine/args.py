@@ -108,8 +108,10 @@ class EngineArgs:
     hicache_storage_backend: str | None = None
     # JSON object for the L3 backend; prefetch_threshold / prefetch_timeout_* tune the cache.
     hicache_storage_backend_extra_config: str | dict[str, Any] | None = None
-    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout.
-    hicache_storage_prefetch_policy: str = "best_effort"
+    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout (default:
+    # wait for the prefetch at most prefetch_timeout_base + prefetch_timeout_per_ki_token x
+    # tokens / 1024 seconds, both settable in the extra config).
+    hicache_storage_prefetch_policy: str = "timeout"
     # Run cache transfers inline instead of on background threads (deterministic, slower).
     hicache_synchronous: bool = False
     # Seed of sampling for requests without their own seed.

@@ -40,7 +40,10 @@ class HiCacheConfig:
     # L3: a backend name from the registry (None = no storage tier) and its extra config.
     storage_backend: str | None = None
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    # best_effort: take what has arrived when the scheduler reaches the request; wait_complete;
+    # timeout (the default): wait at most the budget below. With best_effort a request reaching
+    # an idle engine is admitted before its prefetch has read anything.
+    prefetch_policy: str = "timeout"
     # A storage prefetch shorter than this many tokens is not started.
     prefetch_threshold: int = 256
     # Pending prefetches hold at most this share of the host pool (SGLang: about half).
