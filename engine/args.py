@@ -117,6 +117,8 @@ class EngineArgs:
     enable_metrics: bool = False
     # Require this key as a Bearer token on every HTTP request (None = open).
     api_key: str | None = None
+    # Ignore unknown fields in request bodies instead of refusing them with a 400.
+    allow_unknown_fields: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
