@@ -92,6 +92,8 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=ps, dtype=self.dtype,
             device=self.device, attention_backend=args.attention_backend,
+            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            context_length=self.context_length,
         )
         self.caching = not args.disable_radix_cache
         self.cache: Any
