@@ -62,6 +62,7 @@ class Generation:
     extra_key: str | None = None
     index: int = 0
     client_rid: str | None = None
+    metered: bool = True  # counted in /metrics (not the prompt-only request of n > 1)
     rid: str = ""  # the engine's id: unique, never the client's
     queue: asyncio.Queue[Any] | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -102,12 +103,12 @@ class Generation:
         if not self.finished:
             self.finished = True
             client.send_nowait(P.AbortReq(rid=self.rid))
-            if self.state.metrics is not None:
+            if self.state.metrics is not None and self.metered:
                 self.state.metrics.aborted.inc()
 
     def _update(self, out: P.ReqOut) -> Update:
         now = time.monotonic()
-        m = self.state.metrics
+        m = self.state.metrics if self.metered else None
         n_new = len(out.new_token_ids)
         if m is not None and n_new:
             if self.t_last is None:
@@ -192,7 +193,8 @@ async def prefill_prompts(state: ServerState, prompts: list[tuple[list[int], str
     """Compute each prompt once (a request with max_new_tokens=0, as SGLang's parallel sampling
     does), so that the n samples sent next find its pages in the radix tree instead of each
     computing it. Returns the tokens of each prompt that were already cached."""
-    gens = [Generation(state, ids, {"max_new_tokens": 0}, key) for ids, key in prompts]
+    gens = [Generation(state, ids, {"max_new_tokens": 0}, key, metered=False)
+            for ids, key in prompts]
     await start_all(gens)
     tasks = [asyncio.ensure_future(g.result()) for g in gens]
     try:

@@ -186,3 +186,30 @@ def test_server_info_and_model_card(server: EngineServer) -> None:
     with server.client() as c:
         r = c.get("/v1/models/other")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_openai_client_n_and_refusals(server: EngineServer) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    resp = client.completions.create(model="hicache-demo", prompt="The lighthouse", n=3,
+                                     max_tokens=3, temperature=1.0, seed=4,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage is not None and resp.usage.completion_tokens == 9
+    messages = [{"role": "user", "content": "Name a colour."}]
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+            model="hicache-demo", messages=messages, n=2, max_tokens=4,  # type: ignore[arg-type]
+            temperature=1.0, seed=4, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    whole = client.chat.completions.create(model="hicache-demo", messages=messages, n=2,  # type: ignore[arg-type]
+                                           max_tokens=4, temperature=1.0, seed=4)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    for kw in ({"logprobs": True}, {"presence_penalty": 1.0},
+               {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="hicache-demo", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=2, **kw)  # type: ignore[arg-type]
+        assert next(iter(kw)) in str(e.value)
