@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Only `triton.language` builtins below, no functions of its standard library (`tl.max`,
 # `tl.sum`, `tl.zeros`, `tl.cdiv` are themselves `@triton.jit` functions): those are decorated
 # when triton is first imported, and if that import happened before TRITON_INTERPRET=1 was set
@@ -37,6 +36,10 @@ def _fmax(a, b):
 @triton.jit
 def _fadd(a, b):
     return a + b
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -74,7 +77,7 @@ def store_kv(
         k, v, kbuf, vbuf, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kbuf.stride(0), kbuf.stride(1),
         HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=_block_d(d),
     )
 
 
@@ -179,13 +182,13 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, PAGE=page_size, NUM_SPLITS=splits, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
     )
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=_block_d(d),
     )
 
 
@@ -264,5 +267,5 @@ def extend_attention(
         q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0),
         GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
     )
