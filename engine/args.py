@@ -28,6 +28,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # they are taken out before the rest goes to the backend.
 CACHE_EXTRA_KEYS = (
     "prefetch_threshold",
+    "prefetch_max_host_share",
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "storage_batch_pages",
@@ -121,6 +122,9 @@ class EngineArgs:
     enable_metrics: bool = False
     # Require this key as a Bearer token on every HTTP request (None = open).
     api_key: str | None = None
+    # JSON object publishing KV cache events over ZeroMQ, as in vLLM/SGLang, e.g. {"publisher":
+    # "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (docs/deployment.md).
+    kv_events_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -194,6 +198,9 @@ class EngineArgs:
         _json_obj(self.hicache_storage_backend_extra_config, "hicache_storage_backend_extra_config")
         _json_obj(self.radix_eviction_policy_config, "radix_eviction_policy_config")
         self.to_hicache_config()
+        from engine.kv_events import KVEventsConfig
+
+        KVEventsConfig.from_any(self.kv_events_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

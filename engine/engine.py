@@ -191,8 +191,10 @@ class Engine:
 
     def step(self) -> list[dict[str, Any]]:
         """Run one batch; return one update per request with news:
-        `{"rid", "new_token_ids", "output_ids", "text", "finished", "meta_info"}` (`text` is the
-        whole output so far; `meta_info` as in `generate`)."""
+        `{"rid", "new_token_ids", "output_ids", "text", "text_delta", "finished", "meta_info"}`
+        (`text` is the whole output once finished; `text_delta` the text released since the
+        previous update, held back where it may start a stop string; `meta_info` as in
+        `generate`)."""
         out = []
         for req in self.scheduler.step():
             new = req.output[req.sent_tokens :]
@@ -203,6 +205,7 @@ class Engine:
                     "new_token_ids": new,
                     "output_ids": list(req.output),
                     "text": req.text,
+                    "text_delta": req.detok.take() if req.detok is not None else "",
                     "finished": req.finished,
                     "meta_info": self._meta(req),
                 }
