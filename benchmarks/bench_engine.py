@@ -16,6 +16,7 @@ Writes benchmarks/results/bench_engine[_quick].json. Compare ratios, not absolut
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import sys
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="decode CUDA graphs up to this batch (CUDA + triton; 0: off)")
     p.add_argument("--prompt-tokens", type=int, default=2048, help="the long prompt")
     p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
     p.add_argument("--batch-prompt-tokens", type=int, default=256)
@@ -127,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     ps = a.page_size
     need = max(a.prompt_tokens, a.batch_prompts * a.batch_prompt_tokens,
                max(decode_batches) * (a.decode_context + a.decode_steps + 2 * ps))
+    kw: dict[str, Any] = {}
+    if "cuda_graph_max_bs" in inspect.signature(ModelRunner).parameters:  # not before graphs
+        kw = {"cuda_graph_max_bs": a.cuda_graph_max_bs, "context_length": need}
     runner = ModelRunner(model, num_pages=need // ps + 8, page_size=ps, dtype=dtype, device=device,
-                         attention_backend=a.attention_backend)
+                         attention_backend=a.attention_backend, **kw)
     alloc = runner.pool.allocator
     results: dict[str, Any] = {}
 
