@@ -23,11 +23,12 @@ from hicache.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Keys of --hicache-storage-backend-extra-config that tune the cache itself (as in SGLang);
 # they are taken out before the rest goes to the backend.
 CACHE_EXTRA_KEYS = (
     "prefetch_threshold",
+    "prefetch_max_host_share",
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "storage_batch_pages",
@@ -65,8 +66,12 @@ class EngineArgs:
     dtype: str = "auto"
     # Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N.
     device: str = "auto"
-    # Attention kernels: auto, torch (CPU and GPU), flashinfer (GPU, extra `gpu`).
+    # Attention kernels: auto (triton on CUDA, else torch), torch (SDPA), triton (paged, GPU).
     attention_backend: str = "auto"
+    # Do not capture the decode step in CUDA graphs (CUDA + triton backend only).
+    disable_cuda_graph: bool = False
+    # Largest decode batch replayed from a CUDA graph (larger batches run eagerly).
+    cuda_graph_max_bs: int = 64
     # Longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings.
     context_length: int | None = None
     # Size of the device KV pool in tokens (rounded down to pages); None = from mem_fraction_static.
@@ -152,6 +157,7 @@ class EngineArgs:
             f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}",
         )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs must be >= 0")
         check(
             self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be >= page_size ({self.page_size}), "

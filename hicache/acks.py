@@ -80,12 +80,7 @@ class Acks:
             else:
                 c.host_alloc.free(c.host_inflight.pop(id(op)))
         else:
-            st.prefetch_pages += op.completed
-            st.prefetch_tokens += op.completed * ps
-            st.prefetch_bytes += op.nbytes
-            st.prefetch_seconds += op.seconds
-            if op.taken is not None or op.cancelled:
-                self.prefetcher.released(op)
+            self.prefetcher.acked(op)
 
     def _storage_events(self, op: BackupOp) -> None:
         ev = self.c.events

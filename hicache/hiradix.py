@@ -264,6 +264,7 @@ class HiRadixCache(CacheState):
                 child = self.tree.new_child(node, t[i * ps : n_pages * ps])
                 self._set_device(child, pages[i:])
                 child.priority = priority
+                child.hit_count = 1  # the request that computed it is its first use (SGLang)
                 new_tokens += (n_pages - i) * ps
                 out.extend(pages[i:])
                 node = child
@@ -287,7 +288,11 @@ class HiRadixCache(CacheState):
         if node.parent is not None:
             node.last_access = tick
             self.device_candidates.push(node)
-            if self.config.write_policy == "write_through" and self.host_enabled:
+            if self.host_enabled and (
+                self.config.write_policy == "write_through"
+                or self.config.write_policy == "write_through_selective"
+                and node.hit_count >= self.config.write_through_threshold
+            ):
                 self._write_backup(node)
         return InsertResult(out, dups, node, new_tokens)
 
@@ -447,19 +452,24 @@ class HiRadixCache(CacheState):
     def prefetch(
         self, request_id: str, tokens: Sequence[int], extra_key: str | None = None
     ) -> int:
-        """Start fetching from L3 the pages of `tokens` beyond what device and host hold.
-        Returns the tokens it will fetch (0: not started: no L3, below `prefetch_threshold`,
-        nothing stored, or no host room)."""
+        """Start fetching from L3 the pages of `tokens` beyond what device and host hold: the
+        prefetch worker asks L3 which it has, then host pages are reserved for those and read
+        (`hicache.prefetch`). Returns the tokens asked of L3 (0: not started: no L3 or L3
+        backing off, below `prefetch_threshold`, or the host share for prefetches used up)."""
         r = self.prefetcher.start(request_id, tuple(tokens), extra_key)
         self._after()
         return r
 
     def prefetch_ready(self, request_id: str) -> bool:
-        """Whether the prefetch policy lets request `request_id` be scheduled now."""
+        """Whether the prefetch policy lets request `request_id` be scheduled now (applies
+        finished transfers first: a finished L3 probe starts its fetch)."""
+        self.poll()
         return self.prefetcher.ready(request_id)
 
     def prefetch_progress(self, request_id: str) -> tuple[int, int]:
-        """(pages fetched so far, pages asked) of a pending prefetch; (0, 0) when none."""
+        """(pages fetched so far, pages being fetched) of a pending prefetch; (0, 0) when none
+        or while L3 is still being asked which pages it has."""
+        self.poll()
         return self.prefetcher.progress(request_id)
 
     def cancel_prefetch(self, request_id: str) -> None:

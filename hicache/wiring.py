@@ -6,6 +6,7 @@ from __future__ import annotations
 from hicache.config import HiCacheConfig
 from hicache.controller import TensorTransfer, Transfer, TransferController
 from hicache.pools import DeviceKVPool, HostKVPool, dtype_name
+from hicache.prefetch import ProbingTransfer
 from hicache.sim_storage import SimStorage, SimTransfer
 from hicache.storage import PageCodec, StorageBackend, StorageConfig, create_backend
 
@@ -58,7 +59,7 @@ def make_controller(
         transfer = TensorTransfer(device_pool, host_pool, storage, codec)  # type: ignore[arg-type]
         has_storage = storage is not None
     return TransferController(
-        transfer,
+        ProbingTransfer(transfer),
         has_storage=has_storage,
         batch_pages=config.storage_batch_pages,
         retry_backoff_s=config.storage_retry_backoff,
