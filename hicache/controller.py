@@ -24,7 +24,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -152,8 +154,12 @@ class TransferController:
         batch_pages: int = 128,
         retry_backoff_s: float = 1.0,
         synchronous: bool = False,
+        readers: int = 4,
     ) -> None:
         self.transfer = transfer
+        # Prefetch reads in flight at once (sub-batches of one request, placed in order).
+        self.readers = readers
+        self._reader_pool: ThreadPoolExecutor | None = None
         self.has_storage = has_storage
         self.batch_pages = batch_pages
         self.synchronous = synchronous
@@ -435,9 +441,13 @@ class TransferController:
         if not self.storage_available():
             return
         t0 = time.perf_counter()
+        read = getattr(self.transfer, "read_batch", None)
         try:
             n = len(op.keys)  # prefetch() reserved host pages for the leading run present
             i = 0
+            if read is not None and not self.synchronous and self.readers > 1:
+                self._fetch_pipelined(op, read)
+                i = n
             while i < n and not op.stop.is_set():
                 j = min(i + self.batch_pages, n)
                 if not self.transfer.fetch(op.keys[i:j], op.host_pages[i:j], op):
@@ -451,10 +461,50 @@ class TransferController:
         if self.cost is not None and op.nbytes:
             self.cost.observe_load("storage", op.nbytes, op.seconds)
 
+    def _fetch_pipelined(
+        self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
+    ) -> None:
+        """Sub-batches of `op` read by `readers` threads at once (file reads and checksums
+        release the GIL), accounted in order: `op.completed` only counts a leading run."""
+        n = len(op.keys)
+        sub = min(self.batch_pages, max(4, -(-n // self.readers)))
+        spans = [(i, min(i + sub, n)) for i in range(0, n, sub)]
+        if self._reader_pool is None:
+            self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
+        pool = self._reader_pool
+        window: deque[tuple[int, int, Future[tuple[int, int]]]] = deque()
+        nxt = 0
+        record = getattr(self.transfer, "codec", None)
+        record_bytes = int(getattr(record, "record_bytes", 0))
+
+        def fill() -> None:
+            nonlocal nxt
+            while nxt < len(spans) and len(window) < self.readers and not op.stop.is_set():
+                i, j = spans[nxt]
+                window.append((i, j, pool.submit(read, op.keys[i:j], op.host_pages[i:j])))
+                nxt += 1
+
+        fill()
+        try:
+            while window:
+                i, j, fut = window.popleft()
+                good, corrupt = fut.result()
+                op.corrupt += corrupt
+                op.nbytes += good * record_bytes
+                op.completed += good
+                if good < j - i:
+                    break
+                fill()
+        finally:
+            for _, _, fut in window:  # they write into this op's host pages: let them land
+                fut.exception()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True)
         for q in self._queues.values():
             q.put(None)
         for t in self._threads:

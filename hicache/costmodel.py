@@ -116,6 +116,8 @@ class CostModel:
         return None if not speed else tokens / speed
 
     def _worth(self, tier: str, tokens: int) -> tuple[bool, float, float]:
+        if tokens <= 0:
+            return True, 0.0, 0.0
         load = self.load_seconds(tier, tokens)
         comp = self.recompute_seconds(tokens)
         if load is None or comp is None:

@@ -15,6 +15,8 @@ import torch
 from hicache.config import MEM_LAYOUTS
 from hicache.errors import CapacityError, ConfigError
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -248,14 +250,16 @@ class HostKVPool:
     def gather_payloads(self, pages: Sequence[int], out: torch.Tensor) -> None:
         """Payloads of `pages` into `out` (`[len(pages), page_nbytes]` uint8), one copy."""
         idx = torch.as_tensor(pages, dtype=torch.int64)
-        dst = out.view(self.dtype).view(len(pages), *self.page_shape)
-        torch.index_select(self.page_major, 0, idx, out=dst)
+        bits = _INT_OF_SIZE[self.itemsize]  # (index kernels exist for every integer width)
+        dst = out.view(bits).view(len(pages), *self.page_shape)
+        torch.index_select(self.page_major.view(bits), 0, idx, out=dst)
 
     def scatter_payloads(self, pages: Sequence[int], src: torch.Tensor) -> None:
         """Set `pages` from `src` (`[len(pages), page_nbytes]` uint8, may be strided), one copy."""
         idx = torch.as_tensor(pages, dtype=torch.int64)
+        bits = _INT_OF_SIZE[self.itemsize]
         try:  # rows of records: each payload is contiguous, so this is a view
-            typed = src.view(self.dtype).view(len(pages), *self.page_shape)
+            typed = src.view(bits).view(len(pages), *self.page_shape)
         except RuntimeError:
-            typed = src.contiguous().view(self.dtype).view(len(pages), *self.page_shape)
-        self.page_major.index_copy_(0, idx, typed)
+            typed = src.contiguous().view(bits).view(len(pages), *self.page_shape)
+        self.page_major.view(bits).index_copy_(0, idx, typed)

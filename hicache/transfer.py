@@ -34,6 +34,8 @@ from hicache.pools import DeviceKVPool, HostKVPool
 
 logger = logging.getLogger(__name__)
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 # Upper bound of one staging buffer (bytes); bigger batches are moved in chunks.
 STAGING_BYTES = 256 << 20
 
@@ -139,20 +141,23 @@ class PageMover:
         self.num_layers = L
         P = device.num_pages
         # The device pool and the host pool seen page by page in the host layout's order; the
-        # page axis is `self.axis` in both.
-        dv = device.kv.view(2, L, P, ps, H, D)
+        # page axis is `self.axis` in both. Elements move as same-width integers: bit-exact for
+        # every dtype, and index kernels exist for all of them (not for fp8).
+        self.bits = _INT_OF_SIZE[device.kv.element_size()]
+        kv, hb = device.kv.view(self.bits), host.buffer.view(self.bits)
+        dv = kv.view(2, L, P, ps, H, D)
         if host.layout == "layer_first":
             self.axis = 2
-            self.dev_view = device.kv.view(2, L, P, ps * H * D)
-            self.host_view = host.buffer.view(2, L, host.num_pages, ps * H * D)
+            self.dev_view = kv.view(2, L, P, ps * H * D)
+            self.host_view = hb.view(2, L, host.num_pages, ps * H * D)
         elif host.layout == "page_first":
             self.axis = 0
             self.dev_view = dv.permute(2, 3, 0, 1, 4, 5)  # [P, ps, 2, L, H, D]
-            self.host_view = host.buffer.view(host.num_pages, ps, 2, L, H, D)
+            self.host_view = hb.view(host.num_pages, ps, 2, L, H, D)
         else:
             self.axis = 0
             self.dev_view = dv.permute(2, 0, 1, 3, 4, 5)  # [P, 2, L, ps, H, D]
-            self.host_view = host.buffer
+            self.host_view = hb
         # The layer axis in those views (for layer-wise loads).
         self.layer_axis = {"layer_first": 1, "page_first": 3, "page_first_direct": 2}[host.layout]
         self.page_elems = host.page_nbytes // host.itemsize
@@ -184,7 +189,7 @@ class PageMover:
         need = n * self.page_elems
         buf = self._staging.get(kind)
         if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=self.device.dtype, device=self.device.device)
+            buf = torch.empty(need, dtype=self.bits, device=self.device.device)
             self._staging[kind] = buf
         shape = list(self.host_view.shape)
         shape[self.axis] = n

@@ -111,13 +111,22 @@ class TensorTransfer:
     def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: Any) -> bool:
         """Read the pages' records into `host_pages` in order, advancing `op.completed` (a
         `PrefetchOp`); False at the first missing or invalid page."""
-        assert self.storage is not None and self.codec is not None
-        from hicache.storage import HEADER_BYTES
+        good, corrupt = self.read_batch(keys, host_pages)
+        op.corrupt += corrupt
+        op.completed += good
+        assert self.codec is not None
+        op.nbytes += good * self.codec.record_bytes
+        return good == len(keys)
 
+    def read_batch(self, keys: Sequence[str], host_pages: Sequence[int]) -> tuple[int, int]:
+        """Read, check and place one batch; thread-safe for disjoint `host_pages` (one staging
+        buffer per thread). Returns (leading pages placed, corrupt records found)."""
+        assert self.storage is not None and self.codec is not None
         self.mover.host_quiet()  # a load may still read host pages being reused (CUDA)
         table, views = self._staging(len(keys))
         ok = self.storage.batch_get(list(keys), views)  # checksums and key digests checked
         good = next((i for i, g in enumerate(ok) if not g), len(ok))
+        corrupt = 0
         if good:
             hdr, mask = self._header_template()
             heads = table[:good, :HEADER_BYTES].numpy()
@@ -127,11 +136,9 @@ class TensorTransfer:
                 logger.warning(
                     "dropping L3 page %s: record format or namespace differs", keys[first][:16]
                 )
-                op.corrupt += 1
+                corrupt = 1
                 self.storage.report_corrupt([keys[first]])
                 good = first
         if good:
             self.host.scatter_payloads(host_pages[:good], table[:good, HEADER_BYTES:])
-            op.nbytes += good * self.codec.record_bytes
-            op.completed += good
-        return good == len(keys)
+        return good, corrupt
