@@ -29,7 +29,7 @@ class TensorTransfer:
     def __init__(
         self,
         device: DeviceKVPool,
-        host: HostKVPool,
+        host: HostKVPool,  # None for a device-only cache
         storage: StorageBackend | None,
         codec: PageCodec | None,
     ) -> None:
@@ -37,10 +37,17 @@ class TensorTransfer:
         self.host = host
         self.storage = storage
         self.codec = codec
-        self.mover = PageMover(device, host)
+        # None for a device-only cache (no host tier: nothing ever moves).
+        self._mover = PageMover(device, host) if host is not None else None
         self.bytes_per_token = device.bytes_per_token
         self._local = threading.local()
         self._template: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def mover(self) -> PageMover:
+        if self._mover is None:
+            raise RuntimeError("this cache has no host tier")
+        return self._mover
 
     def _staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
         """`n` record buffers of this thread: as a `[n, record_bytes]` uint8 tensor and views."""
@@ -71,7 +78,7 @@ class TensorTransfer:
 
     def ready_event(self) -> Any:
         """An event on the caller's (compute) stream: a write waits for it before reading."""
-        if self.mover.cuda:
+        if self._mover is not None and self._mover.cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device.device))
             return ev
