@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+# A prefetch is split across reader threads only into sub-batches of at least this many pages.
+MIN_READ_PAGES = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,7 +447,8 @@ class TransferController:
         try:
             n = len(op.keys)  # prefetch() reserved host pages for the leading run present
             i = 0
-            if read is not None and not self.synchronous and self.readers > 1:
+            if (read is not None and not self.synchronous and self.readers > 1
+                    and min(n, self.batch_pages) > MIN_READ_PAGES):
                 self._fetch_pipelined(op, read)
                 i = n
             while i < n and not op.stop.is_set():
@@ -467,7 +470,7 @@ class TransferController:
         """Sub-batches of `op` read by `readers` threads at once (file reads and checksums
         release the GIL), accounted in order: `op.completed` only counts a leading run."""
         n = len(op.keys)
-        sub = min(self.batch_pages, max(4, -(-n // self.readers)))
+        sub = min(self.batch_pages, max(MIN_READ_PAGES, -(-n // self.readers)))
         spans = [(i, min(i + sub, n)) for i in range(0, n, sub)]
         if self._reader_pool is None:
             self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")

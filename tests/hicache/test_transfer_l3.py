@@ -97,3 +97,35 @@ def test_prefetch_worker_acks_and_wakes_waiters():
         assert ctl.cost is not None and ctl.cost.bandwidth["storage"].value > 0
     finally:
         ctl.close()
+
+
+def test_pipelined_prefetch_counts_the_leading_run_only():
+    """40 pages read as sub-batches on reader threads; a page missing in the second sub-batch
+    stops the count there, whatever order the readers finished in."""
+    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
+    dev.kv.copy_(torch.randn(dev.kv.shape))
+    host = HostKVPool.like(dev, 96, layout="page_first")
+    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
+                      layout="page_first", tokens_per_page=2, itemsize=4)
+    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-pipe"})),
+                        codec)
+    keys = [f"p{i}" for i in range(40)]
+    tr.device_to_host(list(range(40)), list(range(40)))
+    tr.store(keys, list(range(40)), counters())
+    ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=4)
+    try:
+        full = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
+                          host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        holed = PrefetchOp("b", anchor=None, tokens=(), start_page=0,  # type: ignore[arg-type]
+                           keys=keys[:20] + ["missing"] + keys[21:],
+                           host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        ctl.submit_prefetch(full)
+        assert ctl.wait_idle(60)
+        assert (full.completed, full.nbytes) == (40, 40 * codec.record_bytes)
+        assert torch.equal(host.page_major[50:90], host.page_major[0:40])
+        ctl.submit_prefetch(holed)
+        assert ctl.wait_idle(60)
+        assert (holed.completed, holed.error) == (20, None)
+        assert ctl.acks() == [full, holed]
+    finally:
+        ctl.close()
