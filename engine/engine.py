@@ -92,6 +92,8 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_pages=num_pages, page_size=ps, dtype=self.dtype,
             device=self.device, attention_backend=args.attention_backend,
+            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            context_length=self.context_length,
         )
         self.caching = not args.disable_radix_cache
         self.cache: Any
@@ -189,8 +191,10 @@ class Engine:
 
     def step(self) -> list[dict[str, Any]]:
         """Run one batch; return one update per request with news:
-        `{"rid", "new_token_ids", "output_ids", "text", "finished", "meta_info"}` (`text` is the
-        whole output so far; `meta_info` as in `generate`)."""
+        `{"rid", "new_token_ids", "output_ids", "text", "text_delta", "finished", "meta_info"}`
+        (`text` is the whole output once finished; `text_delta` the text released since the
+        previous update, held back where it may start a stop string; `meta_info` as in
+        `generate`)."""
         out = []
         for req in self.scheduler.step():
             new = req.output[req.sent_tokens :]
@@ -201,6 +205,7 @@ class Engine:
                     "new_token_ids": new,
                     "output_ids": list(req.output),
                     "text": req.text,
+                    "text_delta": req.detok.take() if req.detok is not None else "",
                     "finished": req.finished,
                     "meta_info": self._meta(req),
                 }

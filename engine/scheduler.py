@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.detokenizer import TextStream
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 
@@ -59,7 +60,8 @@ class Req:
     cached_tokens: int = -1  # prompt tokens served by the cache at first admission
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
-    text: str = ""  # detokenized output so far (cut at a stop string)
+    text: str = ""  # the output text, cut at a stop string (set when the request finishes)
+    detok: TextStream | None = None  # incremental detokenizer and stop strings (engine.detokenizer)
     sent_tokens: int = 0  # output tokens already reported by step()
     first_token_time: float | None = None
     retractions: int = 0
@@ -452,20 +454,19 @@ class Scheduler:
         reason: FinishReason | None = None
         if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
             reason = {"type": "stop", "matched": tok}
-        text = self.decode_text(req.output, p.skip_special_tokens)
-        if reason is None and p.stop:
-            for s in p.stop:
-                idx = text.find(s)
-                if idx >= 0:
-                    text = text[:idx]
-                    reason = {"type": "stop", "matched": s}
-                    break
-        req.text = text
+        if req.detok is None:
+            req.detok = TextStream(self.decode_text, skip_special_tokens=p.skip_special_tokens,
+                                   stop=p.stop)
+        matched = req.detok.push(req.output, check_stop=reason is None)
+        if matched is not None:
+            reason = {"type": "stop", "matched": matched}
         if reason is None and len(req.output) >= p.max_new_tokens:
             reason = {"type": "length", "length": p.max_new_tokens}
         if reason is None and len(req.tokens) >= self.context_length:
             reason = {"type": "length", "length": len(req.output)}
         if reason is not None:
+            req.detok.finish()
+            req.text = req.detok.text
             self.running.remove(req)
             self._finish(req, reason)
 

@@ -38,6 +38,8 @@ class HiCacheConfig:
     prefetch_policy: str = "best_effort"
     # A storage prefetch shorter than this many tokens is not started.
     prefetch_threshold: int = 256
+    # Pending prefetches hold at most this share of the host pool (SGLang: about half).
+    prefetch_max_host_share: float = 0.5
     # timeout policy: wait at most base + per_ki_token * (tokens / 1024) seconds.
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
@@ -84,6 +86,10 @@ class HiCacheConfig:
             f"known: {', '.join(PREFETCH_POLICIES)}",
         )
         check(self.prefetch_threshold >= 0, "prefetch_threshold must be >= 0")
+        check(
+            0 < self.prefetch_max_host_share <= 1,
+            f"prefetch_max_host_share must be in (0, 1], got {self.prefetch_max_host_share}",
+        )
         check(self.prefetch_timeout_base >= 0, "prefetch_timeout_base must be >= 0")
         check(self.prefetch_timeout_per_ki_token >= 0, "prefetch_timeout_per_ki_token must be >= 0")
         check(self.storage_batch_pages >= 1, "storage_batch_pages must be >= 1")

@@ -394,9 +394,7 @@ class HF3FSBackend(StorageBackend):
             self._write_txn(touch, durable=False)
         return result
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         views = [byte_view(v) for v in values]
         ok = [False] * len(keys)
         todo: list[int] = []
@@ -482,14 +480,7 @@ class HF3FSBackend(StorageBackend):
         for i, k in enumerate(keys):
             if not ok[i] and first.get(k):
                 ok[i] = True
-        written = sum(len(views[i]) for (i, _s), n in zip(placed, moved) if n == len(views[i]))
-        self._count(
-            set_pages=len(keys),
-            set_failures=ok.count(False),
-            bytes_written=written,
-            evicted_pages=evicted,
-            errors=sum(1 for n in moved if n < 0),
-        )
+        self._count(evicted_pages=evicted, errors=sum(1 for n in moved if n < 0))
         return ok
 
     def delete(self, keys: Sequence[str]) -> None:

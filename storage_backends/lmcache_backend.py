@@ -305,16 +305,11 @@ class LMCacheBackend(StorageBackend):
                 result.append(n if n else -1)  # empty: a tombstone, the page was deleted
         return result
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         views = [byte_view(v) for v in values]
         with self._conn() as c:
             gen = self._generation(c)
             self._put_all(c, gen, keys, views)
-        self._count(set_pages=len(keys), bytes_written=sum(len(v) for v in views))
         return [True] * len(keys)
 
     def delete(self, keys: Sequence[str]) -> None:

@@ -374,10 +374,16 @@ class HiCacheServer:
         # messages out of a shared receive buffer, which a kept frame would pin, so the bytes
         # held would exceed the bytes counted against --capacity.
         frames = [bytes(f) if len(f) < _KEEP_FRAME_BYTES else f for f in frames]
+        # Overwrites never go back in time: the older persisted copies are removed before the
+        # new values are acknowledged (a key whose old file stays is refused, keeping its old
+        # value everywhere). Whatever then happens to the new value's write (queue full, disk
+        # full, crash), a later read finds the new value or nothing.
+        fresh = self.persist.supersede(keys) if self.persist is not None else [True] * len(keys)
         # One wait budget per request for room in a full write-behind queue (back pressure).
         deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
         stored = [
-            self._put_memory(k, v, persist=True, deadline=deadline) for k, v in zip(keys, frames)
+            ok and self._put_memory(k, v, persist=True, deadline=deadline)
+            for k, v, ok in zip(keys, frames, fresh)
         ]
         return P.SetReply(request_id=rid, stored=stored)
 

@@ -161,6 +161,7 @@ class WriteBehind:
         self._written = 0
         self._dropped = 0
         self._failed = 0
+        self._invalidate_failed = 0
         self.loaded_pages = max(0, self.backend.stats().stored_pages)
         self._thread = threading.Thread(target=self._run, name="hicache-persist", daemon=True)
         self._thread.start()
@@ -176,6 +177,7 @@ class WriteBehind:
                 "written": self._written,
                 "dropped": self._dropped,
                 "failed": self._failed,
+                "invalidate_failed": self._invalidate_failed,
                 "loaded": self.loaded_pages,
             }
 
@@ -195,6 +197,35 @@ class WriteBehind:
             self._pending[key] = value
             self._cond.notify_all()
             return True
+
+    def supersede(self, keys: Sequence[str]) -> list[bool]:
+        """Make the persisted copies of `keys` unreadable; per key, whether that worked. Called
+        before newer values of them are acknowledged, so that no read (after an eviction, a
+        failed or skipped write, or a crash) can ever go back to an older value; a key whose
+        old file could not be removed must be refused.
+
+        Older values still queued are cancelled; when the writer is busy writing one of them, the
+        call waits for that batch to land (so it cannot land after the delete); then the files
+        are deleted. The new values are queued afterwards by `enqueue`: if that, or their write,
+        fails, the keys are simply absent from disk (a miss, never a stale page)."""
+        if not keys:
+            return []
+        with self._cond:
+            for k in keys:
+                self._pending.pop(k, None)
+            busy = any(k in self._inflight for k in keys)
+        if busy:
+            with self._io_lock:  # the writer holds it for its whole batch
+                pass
+        try:
+            self.backend.delete(keys)
+        except OSError as e:
+            logger.warning("invalidating %d persisted pages failed: %s", len(keys), e)
+        out = [not self.backend.path_of(k).exists() for k in keys]
+        if not all(out):
+            self._invalidate_failed += out.count(False)
+            logger.warning("%d older persisted pages could not be removed", out.count(False))
+        return out
 
     def _run(self) -> None:
         while True:

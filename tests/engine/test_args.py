@@ -49,7 +49,7 @@ def test_to_hicache_config() -> None:
     [
         ({"page_size": 0}, "page_size must be >= 1"),
         ({"dtype": "int8"}, "unknown dtype 'int8'"),
-        ({"attention_backend": "triton"}, "unknown attention_backend 'triton'"),
+        ({"attention_backend": "flashinfer"}, "unknown attention_backend 'flashinfer'"),
         ({"schedule_policy": "lifo"}, "unknown schedule_policy 'lifo'"),
         ({"hicache_write_policy": "write_around"}, "unknown hicache_write_policy"),
         ({"hicache_mem_layout": "page_last"}, "unknown hicache_mem_layout"),

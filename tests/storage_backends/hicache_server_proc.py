@@ -37,6 +37,8 @@ class HiCacheServerProc:
         metrics_port: int | None = None,
         args: Sequence[str] = (),
         port: int | None = None,
+        file_size_limit: int | None = None,
+        die_on_file_limit: bool = False,
     ) -> None:
         self.tmp = Path(tmp)
         self.port = port or free_port()
@@ -45,6 +47,10 @@ class HiCacheServerProc:
         self.auth_token = auth_token
         self.metrics_port = metrics_port
         self.args = list(args)
+        # RLIMIT_FSIZE for the server process: a write past it fails with EFBIG (a full disk,
+        # for real), or with `die_on_file_limit` kills the process mid-write (SIGXFSZ).
+        self.file_size_limit = file_size_limit
+        self.die_on_file_limit = die_on_file_limit
         self.proc: ManagedProcess | None = None
         self.starts = 0
 
@@ -52,11 +58,24 @@ class HiCacheServerProc:
     def url(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
+    def _launcher(self) -> list[str]:
+        if self.file_size_limit is None:
+            return [sys.executable, "-m", "storage_backends.server"]
+        n = int(self.file_size_limit)
+        action = "SIG_DFL" if self.die_on_file_limit else "SIG_IGN"
+        boot = (
+            "import resource, runpy, signal, sys; sys.dont_write_bytecode = True; "
+            f"signal.signal(signal.SIGXFSZ, signal.{action}); "
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({n}, {n})); "
+            "sys.argv[0] = 'hicache-server'; "
+            "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
+        )
+        return [sys.executable, "-c", boot]
+
     def argv(self) -> list[str]:
         argv = [
-            sys.executable,
-            "-m",
-            "storage_backends.server",
+            *self._launcher(),
             "--host",
             "127.0.0.1",
             "--port",

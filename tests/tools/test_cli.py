@@ -18,6 +18,8 @@ FLAGS = [
     "--tokenizer",
     "--limit",
     "--skip-bad-lines",
+    "--max-request-tokens",
+    "--max-line-bytes",
     "--ignore-output",
     "--page-size",
     "--device",
