@@ -24,15 +24,14 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache.costmodel import CostModel, LoadPlan
 from hicache.transfer import DONE, LayerDoneCounter
-from hicache.transfer_tensor import TensorTransfer
+from hicache.transfer_tensor import TensorTransfer, fetch_pipelined
 
 if TYPE_CHECKING:
     from hicache.radix import Tokens, TreeNode
@@ -159,6 +158,10 @@ class TransferController:
         readers: int = 4,
     ) -> None:
         self.transfer = transfer
+        # The transfer that moves bytes: a wrapper (the prefetch prober) exposes it as `inner`.
+        # Device <-> host copies and the fast paths go to it directly, so their completion
+        # events and options are never lost in a forwarding layer.
+        self.data: Any = getattr(transfer, "inner", transfer)
         # Prefetch reads in flight at once (sub-batches of one request, placed in order).
         self.readers = readers
         self._reader_pool: ThreadPoolExecutor | None = None
@@ -176,7 +179,7 @@ class TransferController:
         self._down = False
         self.storage_errors = 0  # read by the owner; only grows
         # Measured tier bandwidths and prefill speed: the load-vs-recompute decision.
-        bpt = getattr(transfer, "bytes_per_token", None)
+        bpt = getattr(self.data, "bytes_per_token", None)
         self.cost: CostModel | None = CostModel(bpt) if isinstance(bpt, int) else None
         # Writes whose copy was issued and has not completed yet (CUDA): acked when it has.
         self._inflight: list[WriteOp] = []
@@ -238,7 +241,7 @@ class TransferController:
             self._queues[kind].put(op)
 
     def submit_write(self, op: WriteOp) -> None:
-        ready = getattr(self.transfer, "ready_event", None)
+        ready = getattr(self.data, "ready_event", None)
         if ready is not None and op.ready is None:
             op.ready = ready()
         self._submit("write", op)
@@ -350,27 +353,27 @@ class TransferController:
         `counter.wait(i)` before layer i reads the pool (`ForwardBatch.wait_layer`)."""
         t0 = time.perf_counter()
         if layerwise:
-            h2d: Any = self.transfer.host_to_device
+            h2d: Any = self.data.host_to_device
             ctr = h2d(host_pages, device_pages, True)
         else:  # (the simulated transfer takes no flag)
-            ctr = self.transfer.host_to_device(host_pages, device_pages)
+            ctr = self.data.host_to_device(host_pages, device_pages)
         if ctr is None:
             return LayerDoneCounter([DONE], 1)
         if self.cost is not None and ctr.done() and host_pages:  # synchronous (CPU): timed here
-            nbytes = len(host_pages) * getattr(self.transfer, "bytes_per_token", 0)
+            nbytes = len(host_pages) * getattr(self.data, "bytes_per_token", 0)
             self.cost.observe_load("host", nbytes * self._page_size(), time.perf_counter() - t0)
         if not layerwise:
             ctr.wait_all()
         return ctr
 
     def _page_size(self) -> int:
-        dev = getattr(self.transfer, "device", None)
+        dev = getattr(self.data, "device", None)
         return int(getattr(dev, "page_size", 1))
 
     def write_now(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """device -> host before the device pages are freed: later work on the compute stream
         waits for the copy on the device; the host does not block."""
-        ready = getattr(self.transfer, "ready_event", None)
+        ready = getattr(self.data, "ready_event", None)
         ev = self._d2h(device_pages, host_pages, ready() if ready is not None else None)
         if ev is not None:
             LayerDoneCounter([ev], 1).wait_all()
@@ -386,8 +389,8 @@ class TransferController:
 
     def _d2h(self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Any) -> Any:
         if ready is None:  # (the simulated transfer takes no event)
-            return self.transfer.device_to_host(device_pages, host_pages)
-        d2h: Any = self.transfer.device_to_host
+            return self.data.device_to_host(device_pages, host_pages)
+        d2h: Any = self.data.device_to_host
         return d2h(device_pages, host_pages, ready)
 
     def _ack(self, op: Op) -> None:
@@ -443,12 +446,12 @@ class TransferController:
         if not self.storage_available():
             return
         t0 = time.perf_counter()
-        read = getattr(self.transfer, "read_batch", None)
+        read = getattr(self.data, "read_batch", None)
         try:
             n = len(op.keys)  # prefetch() reserved host pages for the leading run present
             i = 0
-            if (read is not None and not self.synchronous and self.readers > 1
-                    and min(n, self.batch_pages) > MIN_READ_PAGES):
+            if (read is not None and op.host_pages and not self.synchronous
+                    and self.readers > 1 and min(n, self.batch_pages) > MIN_READ_PAGES):
                 self._fetch_pipelined(op, read)
                 i = n
             while i < n and not op.stop.is_set():
@@ -467,40 +470,12 @@ class TransferController:
     def _fetch_pipelined(
         self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
     ) -> None:
-        """Sub-batches of `op` read by `readers` threads at once (file reads and checksums
-        release the GIL), accounted in order: `op.completed` only counts a leading run."""
-        n = len(op.keys)
-        sub = min(self.batch_pages, max(MIN_READ_PAGES, -(-n // self.readers)))
-        spans = [(i, min(i + sub, n)) for i in range(0, n, sub)]
         if self._reader_pool is None:
             self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
-        pool = self._reader_pool
-        window: deque[tuple[int, int, Future[tuple[int, int]]]] = deque()
-        nxt = 0
-        record = getattr(self.transfer, "codec", None)
-        record_bytes = int(getattr(record, "record_bytes", 0))
-
-        def fill() -> None:
-            nonlocal nxt
-            while nxt < len(spans) and len(window) < self.readers and not op.stop.is_set():
-                i, j = spans[nxt]
-                window.append((i, j, pool.submit(read, op.keys[i:j], op.host_pages[i:j])))
-                nxt += 1
-
-        fill()
-        try:
-            while window:
-                i, j, fut = window.popleft()
-                good, corrupt = fut.result()
-                op.corrupt += corrupt
-                op.nbytes += good * record_bytes
-                op.completed += good
-                if good < j - i:
-                    break
-                fill()
-        finally:
-            for _, _, fut in window:  # they write into this op's host pages: let them land
-                fut.exception()
+        record_bytes = int(getattr(getattr(self.data, "codec", None), "record_bytes", 0))
+        per_reader = -(-len(op.keys) // self.readers)
+        sub = min(self.batch_pages, max(MIN_READ_PAGES, per_reader))
+        fetch_pipelined(op, read, self._reader_pool, self.readers, sub, record_bytes)
 
     def close(self) -> None:
         if self._closed:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -64,15 +66,17 @@ class TensorTransfer:
 
     def _header_template(self) -> tuple[np.ndarray, np.ndarray]:
         """The header bytes every record of this cache has, and the mask of the fixed ones
-        (all but the key digest and the CRC, which `batch_get` has checked per record)."""
+        (all but the version, key digest and checksum, which `batch_get` has checked per
+        record): magic, header length, namespace, tokens, dtype, layout, shape, payload length."""
         if self._template is None:
             assert self.codec is not None
             hdr = np.frombuffer(
                 self.codec.encode("", bytes(self.codec.payload_bytes))[:HEADER_BYTES], np.uint8
             ).copy()
             mask = np.ones(HEADER_BYTES, dtype=bool)
+            mask[4:6] = False  # record version (any that `verify_record` reads)
             mask[40:72] = False  # key digest
-            mask[HEADER_BYTES - 4 :] = False  # crc32
+            mask[120:] = False  # checksum area (v1: reserved + CRC32, v2: XXH3-64)
             self._template = (hdr, mask)
         return self._template
 
@@ -149,3 +153,42 @@ class TensorTransfer:
         if good:
             self.host.scatter_payloads(host_pages[:good], table[:good, HEADER_BYTES:])
         return good, corrupt
+
+
+def fetch_pipelined(
+    op: Any,
+    read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]],
+    pool: ThreadPoolExecutor,
+    readers: int,
+    sub: int,
+    record_bytes: int,
+) -> None:
+    """Read `op` (a `PrefetchOp`) in sub-batches of `sub` pages, `readers` at once on `pool`
+    (file reads and checksums release the GIL), accounted in order: `op.completed` only counts
+    the leading run placed. Returns once no read of `op` is in flight."""
+    n = len(op.keys)
+    spans = [(i, min(i + sub, n)) for i in range(0, n, sub)]
+    window: deque[tuple[int, int, Future[tuple[int, int]]]] = deque()
+    nxt = 0
+
+    def fill() -> None:
+        nonlocal nxt
+        while nxt < len(spans) and len(window) < readers and not op.stop.is_set():
+            i, j = spans[nxt]
+            window.append((i, j, pool.submit(read, op.keys[i:j], op.host_pages[i:j])))
+            nxt += 1
+
+    fill()
+    try:
+        while window:
+            i, j, fut = window.popleft()
+            good, corrupt = fut.result()
+            op.corrupt += corrupt
+            op.nbytes += good * record_bytes
+            op.completed += good
+            if good < j - i:
+                break
+            fill()
+    finally:
+        for _, _, fut in window:  # they write into this op's host pages: let them land
+            fut.exception()
