@@ -54,7 +54,7 @@ if [ "$INSTALL" = 1 ]; then
 fi
 
 # -- the gpu tests ---------------------------------------------------------------------------
-GPU_TESTS="tests/hicache/test_transfer.py tests/hicache/test_roundtrip.py"
+GPU_TESTS="tests/hicache/test_transfer.py tests/hicache/test_roundtrip.py tests/hicache/test_transfer_layerwise.py"
 for f in tests/engine/test_attention_*.py tests/engine/test_models.py; do
   [ -f "$f" ] && GPU_TESTS="$GPU_TESTS $f"
 done
