@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hicache.controller import PrefetchOp
 from hicache.keys import page_keys
@@ -249,16 +249,17 @@ class Prefetcher:
 class ProbingTransfer:
     """The `Transfer` the controller runs prefetches through. A probe (a `PrefetchOp` with no
     host pages) asks L3 which leading pages it has, batch by batch, on the prefetch worker, and
-    counts them in `op.completed`; a fetch reads as `inner` does."""
+    counts them in `op.completed`; a fetch reads as `inner` does. The controller reaches
+    `inner` directly for device <-> host copies and pipelined reads."""
 
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.inner.device_to_host(device_pages, host_pages)
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
+        return self.inner.device_to_host(device_pages, host_pages)
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.inner.host_to_device(host_pages, device_pages)
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
+        return self.inner.host_to_device(host_pages, device_pages)
 
     def exists(self, keys: Sequence[str]) -> int:
         return self.inner.exists(keys)

@@ -91,6 +91,11 @@ class PrefixCache(Protocol):
 
     def poll(self) -> int: ...
 
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a background transfer completes (a scheduler whose
+        every request waits on a prefetch calls this instead of spinning)."""
+        ...
+
     def flush(self, timeout: float | None = None) -> None: ...
 
     def reset(self) -> None: ...
@@ -211,6 +216,9 @@ class NoPrefixCache:
     def poll(self) -> int:
         self._drop_orphans()
         return 0
+
+    def wait_progress(self, timeout: float) -> bool:
+        return False
 
     def flush(self, timeout: float | None = None) -> None:
         self._drop_orphans()
