@@ -142,8 +142,11 @@ class HiRadixCache(CacheState):
                         if x.host_value is None:
                             self._write_backup(x)
                         break
-        if host_nodes and cfg.host_memory_mode == "buffer_only":
-            trim(self, host_nodes[::-1])  # staged pages: on the device now, or not used
+        if cfg.host_memory_mode == "buffer_only":
+            # Staged copies: loaded (or not used), or of prefix pages that are in L3 (a pin
+            # held them when their backup was acked). Never a copy a write is still filling.
+            loaded_or_unused = set(map(id, host_nodes))
+            trim(self, [x for x in reversed(nodes) if id(x) in loaded_or_unused or x.stored])
         storage_hit = min(from_storage, loaded)
         host_hit = loaded - storage_hit
         pages: list[int] = []
