@@ -92,8 +92,8 @@ class PrefixCache(Protocol):
     def poll(self) -> int: ...
 
     def wait_progress(self, timeout: float) -> bool:
-        """Block up to `timeout` s until a background transfer completes (a scheduler whose
-        every request waits on a prefetch calls this instead of spinning)."""
+        """Block up to `timeout` s until a background transfer completes (instead of spinning
+        while every waiting request waits on one); True when an ack is ready for `poll`."""
         ...
 
     def flush(self, timeout: float | None = None) -> None: ...
@@ -218,7 +218,7 @@ class NoPrefixCache:
         return 0
 
     def wait_progress(self, timeout: float) -> bool:
-        return False
+        return False  # no background transfers
 
     def flush(self, timeout: float | None = None) -> None:
         self._drop_orphans()
