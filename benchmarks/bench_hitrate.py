@@ -1,6 +1,6 @@
 """Benchmark of `hicache-hitrate` against LMCache's cache simulator on the Mooncake trace.
 
-Measures, on ../shared/traces/mooncake_conversation_trace.jsonl (or `--trace`):
+Measures, on traces/mooncake_conversation_trace.jsonl (or `--trace`):
 
 * requests/s replaying the trace through the real `HiRadixCache` (simulated mode, LRU, device
   only) at one capacity, and LMCache's simulator (`lmcache tool cache-simulator`'s `simulate`,
@@ -32,7 +32,7 @@ from tools.hitrate.pages import Layout  # noqa: E402
 from tools.hitrate.simulate import TierConfig, replay  # noqa: E402
 from tools.hitrate.traces import read_trace  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 512
 KV_BYTES_PER_CHUNK = 512 * 1024  # any value: capacities are given in chunks on both sides
 

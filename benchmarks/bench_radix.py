@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.hiradix import HiRadixCache  # noqa: E402
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = ROOT / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def load(path: Path, limit: int | None) -> list[list[int]]:

@@ -23,11 +23,12 @@ from hicache.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Keys of --hicache-storage-backend-extra-config that tune the cache itself (as in SGLang);
 # they are taken out before the rest goes to the backend.
 CACHE_EXTRA_KEYS = (
     "prefetch_threshold",
+    "prefetch_max_host_share",
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "storage_batch_pages",
@@ -65,8 +66,12 @@ class EngineArgs:
     dtype: str = "auto"
     # Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N.
     device: str = "auto"
-    # Attention kernels: auto, torch (CPU and GPU), flashinfer (GPU, extra `gpu`).
+    # Attention kernels: auto (triton on CUDA, else torch), torch (SDPA), triton (paged, GPU).
     attention_backend: str = "auto"
+    # Do not capture the decode step in CUDA graphs (CUDA + triton backend only).
+    disable_cuda_graph: bool = False
+    # Largest decode batch replayed from a CUDA graph (larger batches run eagerly).
+    cuda_graph_max_bs: int = 64
     # Longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings.
     context_length: int | None = None
     # Size of the device KV pool in tokens (rounded down to pages); None = from mem_fraction_static.
@@ -91,6 +96,8 @@ class EngineArgs:
     hicache_ratio: float = 2.0
     # Host pool size in GB (0 = use hicache_ratio).
     hicache_size: float = 0.0
+    # Host memory: full (an L2 cache tier) or buffer_only (only stages pages to and from L3).
+    hicache_host_memory_mode: str = "full"
     # When pages are copied to host: write_through, write_through_selective, write_back.
     hicache_write_policy: str = "write_through"
     # Host <-> device copy method: direct or kernel (layer by layer).
@@ -101,8 +108,10 @@ class EngineArgs:
     hicache_storage_backend: str | None = None
     # JSON object for the L3 backend; prefetch_threshold / prefetch_timeout_* tune the cache.
     hicache_storage_backend_extra_config: str | dict[str, Any] | None = None
-    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout.
-    hicache_storage_prefetch_policy: str = "best_effort"
+    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout (default:
+    # wait for the prefetch at most prefetch_timeout_base + prefetch_timeout_per_ki_token x
+    # tokens / 1024 seconds, both settable in the extra config).
+    hicache_storage_prefetch_policy: str = "timeout"
     # Run cache transfers inline instead of on background threads (deterministic, slower).
     hicache_synchronous: bool = False
     # Seed of sampling for requests without their own seed.
@@ -117,6 +126,11 @@ class EngineArgs:
     enable_metrics: bool = False
     # Require this key as a Bearer token on every HTTP request (None = open).
     api_key: str | None = None
+    # Ignore unknown fields in request bodies instead of refusing them with a 400.
+    allow_unknown_fields: bool = False
+    # JSON object publishing KV cache events over ZeroMQ, as in vLLM/SGLang, e.g. {"publisher":
+    # "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (docs/deployment.md).
+    kv_events_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -149,6 +163,7 @@ class EngineArgs:
             f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}",
         )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs must be >= 0")
         check(
             self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be >= page_size ({self.page_size}), "
@@ -189,6 +204,9 @@ class EngineArgs:
         _json_obj(self.hicache_storage_backend_extra_config, "hicache_storage_backend_extra_config")
         _json_obj(self.radix_eviction_policy_config, "radix_eviction_policy_config")
         self.to_hicache_config()
+        from engine.kv_events import KVEventsConfig
+
+        KVEventsConfig.from_any(self.kv_events_config)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -211,6 +229,7 @@ class EngineArgs:
             page_size=self.page_size,
             host_ratio=self.hicache_ratio,
             host_size_gb=self.hicache_size,
+            host_memory_mode=self.hicache_host_memory_mode,
             write_policy=self.hicache_write_policy,
             io_backend=self.hicache_io_backend,
             mem_layout=self.hicache_mem_layout,

@@ -12,6 +12,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("direct", "kernel")
+HOST_MEMORY_MODES = ("full", "buffer_only")
 
 # NOTE: SGLang defaults to page_size=1, which with an L3 backend means one storage key per token.
 # We default to 32 tokens a page: one record per page keeps per-key overhead (a file, a Redis key,
@@ -27,6 +28,10 @@ class HiCacheConfig:
     # Host pool size: `host_size_gb` when > 0, else `host_ratio` x the device pool.
     host_ratio: float = 2.0
     host_size_gb: float = 0.0
+    # full: host memory is a cache tier (L2). buffer_only: it only stages pages between the device
+    # and L3 (SGLang's --hicache-host-memory-mode); a host copy is dropped once its pages are in
+    # L3 (backup acked) or on the device (loaded back). Needs a storage tier.
+    host_memory_mode: str = "full"
     write_policy: str = "write_through"
     # write_through_selective: a node is backed up once this many requests have matched it.
     write_through_threshold: int = 2
@@ -35,9 +40,14 @@ class HiCacheConfig:
     # L3: a backend name from the registry (None = no storage tier) and its extra config.
     storage_backend: str | None = None
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    # best_effort: take what has arrived when the scheduler reaches the request; wait_complete;
+    # timeout (the default): wait at most the budget below. With best_effort a request reaching
+    # an idle engine is admitted before its prefetch has read anything.
+    prefetch_policy: str = "timeout"
     # A storage prefetch shorter than this many tokens is not started.
     prefetch_threshold: int = 256
+    # Pending prefetches hold at most this share of the host pool (SGLang: about half).
+    prefetch_max_host_share: float = 0.5
     # timeout policy: wait at most base + per_ki_token * (tokens / 1024) seconds.
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
@@ -63,6 +73,11 @@ class HiCacheConfig:
         check(self.host_ratio > 0, f"host_ratio must be > 0, got {self.host_ratio}")
         check(self.host_size_gb >= 0, f"host_size_gb must be >= 0, got {self.host_size_gb}")
         check(
+            self.host_memory_mode in HOST_MEMORY_MODES,
+            f"unknown host_memory_mode {self.host_memory_mode!r}; "
+            f"known: {', '.join(HOST_MEMORY_MODES)}",
+        )
+        check(
             self.write_policy in WRITE_POLICIES,
             f"unknown write_policy {self.write_policy!r}; known: {', '.join(WRITE_POLICIES)}",
         )
@@ -84,6 +99,10 @@ class HiCacheConfig:
             f"known: {', '.join(PREFETCH_POLICIES)}",
         )
         check(self.prefetch_threshold >= 0, "prefetch_threshold must be >= 0")
+        check(
+            0 < self.prefetch_max_host_share <= 1,
+            f"prefetch_max_host_share must be in (0, 1], got {self.prefetch_max_host_share}",
+        )
         check(self.prefetch_timeout_base >= 0, "prefetch_timeout_base must be >= 0")
         check(self.prefetch_timeout_per_ki_token >= 0, "prefetch_timeout_per_ki_token must be >= 0")
         check(self.storage_batch_pages >= 1, "storage_batch_pages must be >= 1")

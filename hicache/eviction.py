@@ -7,8 +7,10 @@ Access times are a logical clock (`TreeNode.last_access`), not wall time.
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from itertools import count
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hicache.errors import ConfigError
@@ -110,3 +112,50 @@ def make_policy(name: str, config: Mapping[str, Any] | None = None) -> EvictionP
             f"unknown eviction policy {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
         )
     return EVICTION_POLICIES[name](config)
+
+
+class Candidates:
+    """Lazy min-heap of eviction candidates in policy order. Entries go stale when a node's key
+    changes or it stops being a candidate; they are checked when popped. Push whenever a node may
+    have become a candidate or its key may have changed."""
+
+    def __init__(self, policy: EvictionPolicy, valid: Callable[[TreeNode], bool]) -> None:
+        self.policy = policy
+        self.valid = valid
+        self.heap: list[tuple[SortKey, int, TreeNode]] = []
+        self._seq = count()
+
+    def push(self, node: TreeNode) -> None:
+        if node.parent is not None and self.valid(node):
+            heapq.heappush(self.heap, (self.policy.key(node), next(self._seq), node))
+
+    def pop(self) -> TreeNode | None:
+        while self.heap:
+            key, _, node = heapq.heappop(self.heap)
+            if self.valid(node) and self.policy.key(node) == key:
+                return node
+        return None
+
+    def rebuild(self, nodes: Sequence[TreeNode]) -> None:
+        self.heap = [(self.policy.key(n), next(self._seq), n) for n in nodes if self.valid(n)]
+        heapq.heapify(self.heap)
+
+    def clear(self) -> None:
+        self.heap.clear()
+
+
+def device_candidate(n: TreeNode) -> bool:
+    """A device copy eviction may take: unlocked, with no child on the device."""
+    return not n.removed and n.value is not None and n.lock_ref == 0 and n.device_children == 0
+
+
+def host_candidate(n: TreeNode) -> bool:
+    """A host copy eviction may take: a host-only leaf that nothing pins."""
+    return (
+        not n.removed
+        and n.value is None
+        and n.host_value is not None
+        and not n.children
+        and n.host_ref == 0
+        and n.lock_ref == 0
+    )

@@ -7,18 +7,17 @@ Objects built with the same `{"shared": NAME}` extra config share one store, whi
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from hicache.storage import StorageBackend, StorageConfig
+from hicache.backend import StorageBackend, StorageConfig
+from hicache.lru import LRUByteStore
+from hicache.units import parse_bytes
 
 
 class _Store:
     def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.data: OrderedDict[str, bytes] = OrderedDict()
-        self.bytes = 0
+        self.data: LRUByteStore[bytes] = LRUByteStore(capacity_bytes)
         self.lock = threading.Lock()
 
 
@@ -29,14 +28,15 @@ _shared_lock = threading.Lock()
 class MemoryBackend(StorageBackend):
     """Dict of records with an optional byte capacity and LRU eviction.
 
-    Extra config: `capacity_bytes` (0 = unbounded), `shared` (name of a process-wide store).
+    Extra config: `capacity_bytes` (0 = unbounded; a number or a size such as "64MiB"),
+    `shared` (name of a process-wide store).
     """
 
     name: ClassVar[str] = "memory"
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        capacity = int(config.get("capacity_bytes", 0))
+        capacity = parse_bytes(config.get("capacity_bytes", 0), what="capacity_bytes")
         shared = config.get("shared")
         if shared:
             with _shared_lock:
@@ -62,41 +62,23 @@ class MemoryBackend(StorageBackend):
                 if v is None:
                     res.append(-1)
                     continue
-                s.data.move_to_end(k)
                 dst = memoryview(buf).cast("B")
                 if len(v) == len(dst):
                     dst[:] = v
                 res.append(len(v))
         return res
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         s = self._store
         ok: list[bool] = []
-        written = evicted = 0
+        evicted = 0
         with s.lock:
             for k, v in zip(keys, values):
-                b = bytes(memoryview(v).cast("B"))
-                if s.capacity_bytes and len(b) > s.capacity_bytes:
-                    ok.append(False)
-                    continue
-                old = s.data.pop(k, None)
-                if old is not None:
-                    s.bytes -= len(old)
-                while s.capacity_bytes and s.bytes + len(b) > s.capacity_bytes and s.data:
-                    _, dropped = s.data.popitem(last=False)
-                    s.bytes -= len(dropped)
-                    evicted += 1
-                s.data[k] = b
-                s.bytes += len(b)
-                written += len(b)
-                ok.append(True)
-            pages, nbytes = len(s.data), s.bytes
-        self._count(
-            set_pages=len(keys),
-            set_failures=ok.count(False),
-            bytes_written=written,
-            evicted_pages=evicted,
-        )
+                dropped = s.data.put(k, bytes(memoryview(v).cast("B")))
+                ok.append(dropped is not None)
+                evicted += len(dropped or ())
+            pages, nbytes = len(s.data), s.data.nbytes
+        self._count(evicted_pages=evicted)
         self._set_gauge(stored_pages=pages, stored_bytes=nbytes)
         return ok
 
@@ -105,11 +87,8 @@ class MemoryBackend(StorageBackend):
         n = 0
         with s.lock:
             for k in keys:
-                v = s.data.pop(k, None)
-                if v is not None:
-                    s.bytes -= len(v)
-                    n += 1
-            pages, nbytes = len(s.data), s.bytes
+                n += s.data.pop(k) is not None
+            pages, nbytes = len(s.data), s.data.nbytes
         self._count(deleted_pages=n)
         self._set_gauge(stored_pages=pages, stored_bytes=nbytes)
 
@@ -117,15 +96,10 @@ class MemoryBackend(StorageBackend):
         s = self._store
         with s.lock:
             s.data.clear()
-            s.bytes = 0
         self._set_gauge(stored_pages=0, stored_bytes=0)
 
     def raw_put(self, key: str, value: bytes) -> None:
         """Store `value` as-is, bypassing nothing but the caller's sense: for corruption tests."""
         s = self._store
         with s.lock:
-            old = s.data.pop(key, None)
-            if old is not None:
-                s.bytes -= len(old)
-            s.data[key] = value
-            s.bytes += len(value)
+            s.data.put(key, value)

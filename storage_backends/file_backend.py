@@ -44,24 +44,33 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
-
+from hicache.backend import Checked, StorageBackend, StorageConfig
 from hicache.errors import ConfigError
-from hicache.storage import StorageBackend, StorageConfig
-from storage_backends.common import byte_view, check_known_keys, setting
+from storage_backends.common import byte_view, check_known_keys, parse_bytes, setting
+from storage_backends.file_io import (
+    DIRECT_ALIGN,
+    O_DIRECT,
+    address,
+    aligned,
+    publish,
+    read_file,
+)
 
 logger = logging.getLogger(__name__)
 
-KNOWN_KEYS = ("path", "capacity_bytes", "fsync", "o_direct", "scan_on_start", "stale_tmp_s")
+KNOWN_KEYS = (
+    "path", "capacity_bytes", "fsync", "o_direct", "read_threads", "scan_on_start", "stale_tmp_s"
+)
+DEFAULT_READ_THREADS = 4
 FSYNC_POLICIES = ("none", "data", "always")
-DIRECT_ALIGN = 4096
 _HEX_KEY = re.compile(r"[0-9a-f]{8,128}")
 _PAGE_NAME = re.compile(r"(?:[0-9a-f]{8,128}|x[0-9a-f]{64})")
 _TMP_SUFFIX = ".tmp"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_MISSING = Checked(-1, None)
 
 
 def default_dir() -> Path:
@@ -78,15 +87,6 @@ def page_name(key: str) -> str:
     return "x" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def _address(mv: memoryview) -> int:
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
-
-
-def _aligned(mv: memoryview) -> bool:
-    n = len(mv)
-    return n > 0 and n % DIRECT_ALIGN == 0 and _address(mv) % DIRECT_ALIGN == 0
-
-
 class FileBackend(StorageBackend):
     """Records as files: sharded directories, atomic writes, byte cap with LRU eviction."""
 
@@ -98,10 +98,15 @@ class FileBackend(StorageBackend):
         path = setting(config, "path", "", env="HICACHE_FILE_BACKEND_DIR", cast=str)
         self.root = Path(os.path.expanduser(path)) if path else default_dir()
         self._root_s = str(self.root).rstrip("/") or "/"
-        self.capacity_bytes = setting(config, "capacity_bytes", 0)
+        self.capacity_bytes = parse_bytes(
+            config.get("capacity_bytes") or 0, what="file backend: capacity_bytes"
+        )
         self.fsync = setting(config, "fsync", "none", cast=str)
-        self.o_direct = setting(config, "o_direct", False) and bool(_O_DIRECT)
+        self.o_direct = setting(config, "o_direct", False) and bool(O_DIRECT)
         self.stale_tmp_s = setting(config, "stale_tmp_s", 3600.0)
+        self.read_threads = setting(config, "read_threads", DEFAULT_READ_THREADS)
+        if self.read_threads < 1:
+            raise ConfigError("file backend: read_threads must be >= 1")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"file backend: fsync must be one of {FSYNC_POLICIES}")
         if self.capacity_bytes < 0:
@@ -117,6 +122,9 @@ class FileBackend(StorageBackend):
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:32] or "host"
         self._warned_io = False
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self.direct_reads = 0  # reads done with O_DIRECT (for tests and tuning)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -280,64 +288,84 @@ class FileBackend(StorageBackend):
         return n
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
-        res: list[int] = []
-        changed = False
-        for key, buf in zip(keys, out):
-            dst = byte_view(buf)
-            name = page_name(key)
-            try:
-                n = self._read(self._file(name), dst)
-            except FileNotFoundError:
-                with self._lock:
-                    changed |= self._index_drop(name)
-                res.append(-1)
-                continue
-            except OSError as e:
-                self._io_error("read", key, e)
-                res.append(-1)
-                continue
+        return [r.length for r in self._read_batch(keys, out, check=False)]
+
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        # Each record is checked by the thread that read it, right after its read: the
+        # checksum (GIL released) of one page overlaps the reads of the others.
+        return self._read_batch(keys, out, check=True)
+
+    def _read_batch(
+        self, keys: Sequence[str], out: Sequence[memoryview], *, check: bool
+    ) -> list[Checked]:
+        """Read `keys` into `out` with up to `read_threads` threads (contiguous slices of the
+        batch; the caller's thread takes the first)."""
+        n = len(keys)
+        res: list[Checked] = [_MISSING] * n
+
+        def work(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                res[i] = self._read_one(keys[i], byte_view(out[i]), check)
+
+        parts = min(self.read_threads, n)
+        bounds = [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+        futures = [self._executor().submit(work, lo, hi) for lo, hi in bounds[1:]]
+        try:
+            work(*bounds[0])
+        finally:
+            for f in futures:
+                f.result()
+        return res
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():  # none yet, or forked
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.read_threads - 1, thread_name_prefix="hicache-file-read"
+                )
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    def _read_one(self, key: str, dst: memoryview, check: bool) -> Checked:
+        name = page_name(key)
+        try:
+            n = self._read(self._file(name), dst)
+        except FileNotFoundError:
             with self._lock:
-                if self._index.get(name) == n:
-                    self._index.move_to_end(name)  # LRU: most recently used last
-                else:
-                    self._index_put(name, n)  # written by another object / process
-                    changed = True
-            res.append(n)
+                changed = self._index_drop(name)
+            if changed:
+                self._gauges()
+            return _MISSING
+        except OSError as e:
+            self._io_error("read", key, e)
+            return _MISSING
+        with self._lock:
+            if self._index.get(name) == n:
+                self._index.move_to_end(name)  # LRU: most recently used last
+                changed = False
+            else:
+                self._index_put(name, n)  # written by another object / process
+                changed = True
         if changed:
             self._gauges()
-        return res
+        return Checked(n, self.check_record(key, n, dst) if check else None)
 
     def _read(self, path: str, dst: memoryview) -> int:
         """Read the file into `dst` when its size is len(dst); return the file's size (or the
-        bytes actually read, if it shrank under us)."""
-        direct = self.o_direct and _aligned(dst)
-        try:
-            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
-        except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
-                raise
-            self._disable_direct(e)
-            direct = False
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size != len(dst):
-                return size
-            off = 0
-            while off < size:
-                n = os.preadv(fd, [dst[off:]], off)
-                if n == 0:
-                    return off  # truncated meanwhile: reported as a short (corrupt) record
-                off += n
-            return size
-        finally:
-            os.close(fd)
+        bytes actually read, if it shrank under us). With `o_direct` and a 4 KiB-aligned `dst`
+        the file is read with O_DIRECT (DMA straight into `dst`, the page cache bypassed)."""
+        direct = self.o_direct and len(dst) > 0 and address(dst) % DIRECT_ALIGN == 0
+        size, refused = read_file(path, dst, direct)
+        if refused is not None:
+            self._disable_direct(refused)
+        elif direct and size == len(dst):
+            with self._lock:
+                self.direct_reads += 1
+        return size
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         ok: list[bool] = []
-        written = evicted = 0
+        evicted = 0
         for key, value in zip(keys, values):
             src = byte_view(value)
             size = len(src)
@@ -358,14 +386,8 @@ class FileBackend(StorageBackend):
                 continue
             with self._lock:
                 self._index_put(name, size)
-            written += size
             ok.append(True)
-        self._count(
-            set_pages=len(keys),
-            set_failures=ok.count(False),
-            bytes_written=written,
-            evicted_pages=evicted,
-        )
+        self._count(evicted_pages=evicted)
         self._gauges()
         return ok
 
@@ -378,43 +400,22 @@ class FileBackend(StorageBackend):
         tmp = os.path.join(
             shard, f".{name}.{self._host}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}"
         )
-        direct = self.o_direct and _aligned(src)
+        direct = self.o_direct and aligned(src)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
-            fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
+            fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644)
         except FileNotFoundError:
             # The shard directory was removed under us: make it again, once.
             self._dirs.discard(shard)
             os.makedirs(shard, exist_ok=True)
             self._dirs.add(shard)
-            fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
+            fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644)
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise
             self._disable_direct(e)
             fd = os.open(tmp, flags, 0o644)
-        try:
-            try:
-                off = 0
-                while off < len(src):
-                    off += os.write(fd, src[off:])
-                if self.fsync == "data":
-                    os.fdatasync(fd)
-                elif self.fsync == "always":
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, os.path.join(shard, name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if self.fsync == "always":
-            dfd = os.open(shard, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        publish(fd, tmp, os.path.join(shard, name), src, self.fsync)
 
     def _unlink_all(self, names: Sequence[str]) -> int:
         n = 0
@@ -464,6 +465,10 @@ class FileBackend(StorageBackend):
 
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -314,11 +314,7 @@ class MooncakeBackend(StorageBackend):
         self._backoff.success()
         return result
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         self._check_open()
         views = [byte_view(v) for v in values]
         codes = self._transfer(self._keys(keys), views, put=True)
@@ -328,11 +324,6 @@ class MooncakeBackend(StorageBackend):
             logger.debug("mooncake: batch_upsert_from codes %s", sorted(set(codes)))
             self._check_health("batch_upsert_from", codes)
         self._backoff.success()
-        self._count(
-            set_pages=len(keys),
-            set_failures=ok.count(False),
-            bytes_written=sum(len(v) for v, k in zip(views, ok) if k),
-        )
         return ok
 
     def delete(self, keys: Sequence[str]) -> None:

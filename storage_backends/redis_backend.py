@@ -358,11 +358,7 @@ class RedisBackend(StorageBackend):
                 lengths.append(len(r))
         return lengths
 
-    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         views = [byte_view(v) for v in values]
         px = int(self.ttl_s * 1000) if self.ttl_s else None
 
@@ -374,18 +370,14 @@ class RedisBackend(StorageBackend):
             res = self._run(build)
         except StorageUnavailable as e:
             self._failed("set", e)
-            self._count(set_pages=len(keys), set_failures=len(keys))
             return [False] * len(keys)
         ok: list[bool] = []
-        written = 0
-        for r, v in zip(res, views):
+        for r in res:
             if isinstance(r, Exception):  # e.g. OOM "used memory > maxmemory"
                 self._failed("set", r)
                 ok.append(False)
             else:
                 ok.append(bool(r))
-                written += len(v) if r else 0
-        self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
         return ok
 
     def delete(self, keys: Sequence[str]) -> None:

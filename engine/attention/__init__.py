@@ -1,4 +1,8 @@
-"""Attention backends by name: `torch` (CPU and GPU) and `flashinfer` (GPU, extra `gpu`)."""
+"""Attention backends by name: `torch` (SDPA, CPU and GPU) and `triton` (paged kernels, GPU).
+
+`auto` is `triton` on CUDA when triton imports, else `torch`. There is no `flashinfer` backend:
+it could not be installed or tested on any machine of the project (see docs/engine.md).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,37 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool
 
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_attention_backend(name: str, device_type: str) -> str:
+    """The backend `name` stands for on a device of `device_type` (`auto` resolved)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"unknown attention_backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if name != "auto":
+        return name
+    from engine.attention.triton_backend import triton_available
+
+    return "triton" if device_type == "cuda" and triton_available() else "torch"
 
 
 def make_attention_backend(
     name: str, pool: DeviceKVPool, num_heads: int, head_dim: int, scale: float
 ) -> AttentionBackend:
-    """`auto` is `torch` everywhere until the flashinfer kernels are wired."""
-    if name in ("auto", "torch"):
-        return TorchAttentionBackend(pool, num_heads, head_dim, scale)
-    if name == "flashinfer":
-        from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    name = resolve_attention_backend(name, pool.device.type)
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
 
-        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale)
-    raise ConfigError(f"unknown attention_backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+        return TritonAttentionBackend(pool, num_heads, head_dim, scale)
+    return TorchAttentionBackend(pool, num_heads, head_dim, scale)
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "ForwardBatch", "make_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "ForwardBatch",
+    "make_attention_backend",
+    "resolve_attention_backend",
+]

@@ -2,7 +2,8 @@
 
 Prefill (any request with more than one new token) runs request by request with an explicit
 causal mask offset by the cached prefix; a pure decode batch gathers every request's K/V into one
-padded `[B, max_len]` block and runs a single SDPA call with a padding mask.
+padded `[B, max_len]` block and runs a single SDPA call with a padding mask. Slots come from the
+batch's padded page table (one tensor op per step); the loops run on host-side lengths only.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from engine.attention.base import AttentionBackend, ForwardBatch
 
 @dataclass
 class _DecodeMeta:
-    slots: torch.Tensor  # [B, max_len] (padding points at slot 0)
+    slots: torch.Tensor  # [B, max_len] (past a request's length: masked)
     mask: torch.Tensor  # [B, 1, 1, max_len] bool, True = attend
 
 
 @dataclass
 class _PrefillMeta:
     starts: list[int]  # first row of each request in the flat batch
-    masks: list[torch.Tensor | None]  # [q_len, kv_len] bool, None when q_len == 1
+    slots: list[torch.Tensor]  # per request: [kv_len] int64 slots of the whole sequence
+    # [q_len, kv_len] bool; None when q_len == 1 or without a cached prefix (plain causal).
+    masks: list[torch.Tensor | None]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,28 +35,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         dev = self.pool.device
+        all_slots = batch.kv_slots()
         if batch.is_decode:
             max_len = max(batch.kv_lens)
-            slots = torch.zeros((batch.batch_size, max_len), dtype=torch.int64, device=dev)
             ar = torch.arange(max_len, device=dev)
-            lens = torch.tensor(batch.kv_lens, device=dev)
-            for i, s in enumerate(batch.kv_slots):
-                slots[i, : s.numel()] = s
-            batch.meta = _DecodeMeta(slots, (ar[None, :] < lens[:, None])[:, None, None, :])
+            mask = (ar[None, :] < batch.kv_lens_t[:, None])[:, None, None, :]
+            batch.meta = _DecodeMeta(all_slots[:, :max_len], mask)
             return
         starts: list[int] = []
+        slots: list[torch.Tensor] = []
         masks: list[torch.Tensor | None] = []
         row = 0
-        for q_len, kv_len in zip(batch.q_lens, batch.kv_lens):
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             starts.append(row)
             row += q_len
-            if q_len == 1:
+            slots.append(all_slots[i, :kv_len])
+            if q_len == 1 or q_len == kv_len:
                 masks.append(None)
                 continue
             qi = torch.arange(q_len, device=dev)[:, None] + (kv_len - q_len)
             kj = torch.arange(kv_len, device=dev)[None, :]
             masks.append(kj <= qi)
-        batch.meta = _PrefillMeta(starts, masks)
+        batch.meta = _PrefillMeta(starts, slots, masks)
 
     def forward(
         self,
@@ -76,16 +79,31 @@ class TorchAttentionBackend(AttentionBackend):
             )  # [B, H, 1, D]
             return o.reshape(q.shape[0], -1)
         assert isinstance(meta, _PrefillMeta)
+        if len(meta.starts) == 1:  # one request: no copy into a shared output
+            return self._one(q, kbuf, vbuf, meta.slots[0], meta.masks[0], gqa).reshape(
+                q.shape[0], -1
+            )
         out = torch.empty_like(q)
         for i, start in enumerate(meta.starts):
             n = batch.q_lens[i]
-            slots = batch.kv_slots[i]
-            kk = kbuf[slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
-            vv = vbuf[slots].transpose(0, 1)[None].to(q.dtype)
-            qq = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
-            mask = meta.masks[i]
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            out[start : start + n] = self._one(
+                q[start : start + n], kbuf, vbuf, meta.slots[i], meta.masks[i], gqa
             )
-            out[start : start + n] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+    def _one(
+        self,
+        q: torch.Tensor,  # [n, H, D]
+        kbuf: torch.Tensor,
+        vbuf: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        gqa: bool,
+    ) -> torch.Tensor:
+        kk = kbuf[slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
+        vv = vbuf[slots].transpose(0, 1)[None].to(q.dtype)
+        qq = q.transpose(0, 1)[None]  # [1, H, n, D]
+        causal = mask is None and q.shape[0] > 1  # no cached prefix: plain causal
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal,
+                                           scale=self.scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)

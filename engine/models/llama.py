@@ -184,7 +184,10 @@ class LlamaForCausalLM(nn.Module):
         attn.prepare(batch)
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary_emb(batch.positions)
-        for layer in self.model.layers:
+        wait = batch.wait_layer
+        for i, layer in enumerate(self.model.layers):
+            if wait is not None:
+                wait(i)  # layer i's K/V (loaded back layer by layer) must be in the pool
             x = layer(x, cos, sin, batch, attn)
         if batch.logits_rows is not None:
             x = x[batch.logits_rows]

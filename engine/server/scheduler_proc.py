@@ -3,6 +3,9 @@
 Started by the launcher as `python -m engine.server.scheduler_proc ARGS_JSON IN_ADDR OUT_ADDR`.
 It PULLs `GenerateReq` / `AbortReq` / `ControlReq` / `ShutdownReq` from the front end, steps the
 engine whenever it has work and PUSHes one `BatchOut` per step with every request's new tokens.
+While idle it still applies the cache's transfer acks every `IDLE_POLL_MS`, so write-through
+reaches L3 without waiting for the next request. With `--kv-events-config` it publishes the
+cache's events (one batch per loop pass) through `engine.kv_events.KVEventPublisher`.
 It exits when told to, on SIGTERM, or when its parent (the front end) goes away. SIGINT is
 ignored: Ctrl-C reaches the front end, which shuts this process down in order.
 """
@@ -22,6 +25,7 @@ from typing import Any
 import zmq
 
 from engine.args import CACHE_EXTRA_KEYS, EngineArgs
+from engine.kv_events import EventCollector, KVEventPublisher, KVEventsConfig
 from engine.server import protocol as P
 from hicache.errors import CapacityError, ConfigError, HiCacheError
 
@@ -29,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 # Keys of a backend's extra config whose values are never echoed back by GET.
 _SECRET_WORDS = ("token", "password", "secret", "key", "credential")
+# How long (ms) an idle loop waits for a message before it applies transfer acks again. This bounds
+# how late an idle engine submits the L3 backup of a page whose device->host copy finished: a
+# prefix reaches L3 within IDLE_POLL_MS plus the backend's write time of its request finishing.
+IDLE_POLL_MS = 20
 # How often (seconds) the transfer counters are sampled for the bandwidth histograms.
 _BANDWIDTH_PERIOD = 0.25
 _MAX_SAMPLES = 4096
@@ -101,6 +109,22 @@ class SchedulerProcess:
         )
         self.backend_extra: dict[str, Any] = args.storage_extra_config() if self.backend else {}
         self.bandwidth = _Bandwidth()
+        self.events: EventCollector | None = None
+        self.publisher: KVEventPublisher | None = None
+        kv_events = KVEventsConfig.from_any(args.kv_events_config)
+        if kv_events.enabled:
+            if not self.engine.caching:
+                logger.warning("--kv-events-config: no prefix cache (disable_radix_cache), "
+                               "no KV events to publish")
+            else:
+                self.publisher = KVEventPublisher(kv_events)
+                self.events = EventCollector()
+                self.engine.cache.set_event_sink(self.events)
+
+    def publish_events(self) -> None:
+        """One batch per loop pass: the cache events of this step (or of idle acks)."""
+        if self.events is not None and self.publisher is not None and self.events.events:
+            self.publisher.publish(self.events.take())
 
     def send(self, msg: Any) -> None:
         self.push.send(P.encode(msg))
@@ -223,9 +247,13 @@ class SchedulerProcess:
                 logger.error("the front end went away; stopping")
                 break
             busy = e.has_unfinished()
-            self.drain(0 if busy else 20)
+            self.drain(0 if busy else IDLE_POLL_MS)
             if self.stop:
                 break
+            if not e.has_unfinished():
+                # Idle: apply acks anyway, so that finished device->host copies start their
+                # host->L3 backups now rather than when the next request wakes the scheduler.
+                e.cache.poll()
             if e.has_unfinished():
                 steps = e.scheduler.forward_steps
                 updates = e.step()
@@ -241,6 +269,7 @@ class SchedulerProcess:
                                     prompt_tokens=int(u["meta_info"]["prompt_tokens"]),
                                     completion_tokens=int(u["meta_info"]["completion_tokens"]),
                                     cached_tokens=int(u["meta_info"]["cached_tokens"]),
+                                    text=u["text_delta"],
                                 )
                                 for u in updates
                             ]
@@ -249,6 +278,7 @@ class SchedulerProcess:
                 elif e.scheduler.forward_steps == steps:
                     # Waiting on a prefetch (or nothing admissible): do not spin.
                     self.drain(2)
+            self.publish_events()
             now = time.monotonic()
             if e.caching and now >= next_sample:
                 next_sample = now + _BANDWIDTH_PERIOD
@@ -257,7 +287,10 @@ class SchedulerProcess:
     def close(self) -> None:
         try:
             self.engine.shutdown()
+            self.publish_events()  # the last backups' events
         finally:
+            if self.publisher is not None:
+                self.publisher.close()
             self.pull.close(0)
             self.push.close(0)
             self.ctx.term()

@@ -14,7 +14,7 @@ def test_defaults_follow_sglang() -> None:
     assert a.page_size == DEFAULT_PAGE_SIZE
     assert (a.hicache_ratio, a.hicache_size, a.hicache_write_policy) == (2.0, 0.0, "write_through")
     assert (a.hicache_io_backend, a.hicache_mem_layout) == ("direct", "layer_first")
-    assert a.hicache_storage_prefetch_policy == "best_effort"
+    assert a.hicache_storage_prefetch_policy == "timeout"
     assert (a.radix_eviction_policy, a.schedule_policy) == ("lru", "fcfs")
     assert not a.enable_hierarchical_cache and not a.disable_radix_cache
 
@@ -49,7 +49,7 @@ def test_to_hicache_config() -> None:
     [
         ({"page_size": 0}, "page_size must be >= 1"),
         ({"dtype": "int8"}, "unknown dtype 'int8'"),
-        ({"attention_backend": "triton"}, "unknown attention_backend 'triton'"),
+        ({"attention_backend": "flashinfer"}, "unknown attention_backend 'flashinfer'"),
         ({"schedule_policy": "lifo"}, "unknown schedule_policy 'lifo'"),
         ({"hicache_write_policy": "write_around"}, "unknown hicache_write_policy"),
         ({"hicache_mem_layout": "page_last"}, "unknown hicache_mem_layout"),

@@ -17,6 +17,8 @@ from hicache.storage import StorageConfig, create_backend, known_backends
     (dict(eviction_policy="lru", eviction_config={"x": 1}), "unknown lru"),
     (dict(eviction_policy="slru", eviction_config={"protected_threshold": 0}), ">= 1"),
     (dict(host_ratio=0), "host_ratio"),
+    (dict(prefetch_max_host_share=0), "prefetch_max_host_share"),
+    (dict(prefetch_max_host_share=1.5), "prefetch_max_host_share"),
 ])
 def test_bad_config_is_a_start_up_error(kwargs, msg):
     with pytest.raises(ConfigError, match=msg):

@@ -82,17 +82,19 @@ def test_priority():
 
 
 def test_slru_protects_at_threshold():
+    # The insert that creates a node is its first use (as in SGLang): one hit makes two.
     c = fresh("slru", eviction_config={"protected_threshold": 2})
     insert_all(c)
-    hit(c, A, 2)  # A reaches the threshold: protected
-    hit(c, B, 1)  # B probationary, more recent than A
+    hit(c, A, 1)  # A reaches the threshold: protected
+    assert [n.hit_count for n in sorted(c.tree.nodes(), key=lambda n: n.key)] == [2, 1, 1]
+    c.match_prefix(B + [0])  # B probationary, more recent than A (a match is no hit)
     assert eviction_order(c) == ["C", "B", "A"]
 
 
 def test_slru_below_threshold_is_lru():
     c = fresh("slru", eviction_config={"protected_threshold": 3})
     insert_all(c)
-    hit(c, A, 2)
+    hit(c, A, 1)
     hit(c, B, 1)
     assert eviction_order(c) == ["C", "A", "B"]
 

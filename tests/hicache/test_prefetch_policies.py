@@ -113,7 +113,10 @@ def test_timeout_gives_up_after_budget():
 def test_dead_backend_degrades_to_l1_l2_and_recovers():
     cache, backend = seeded("dead", storage_retry_backoff=0.05)
     backend.down = True
-    assert cache.prefetch("r", TOKENS) == 0  # exists raised: no prefetch, no exception
+    assert cache.prefetch("r", TOKENS) == 32  # asked; the worker's exists query raises
+    cache.flush()
+    assert cache.stats.storage_errors == 1 and cache.prefetch_progress("r") == (0, 0)
+    assert cache.usage()["host_inflight_pages"] == 0 and cache.usage()["pending_prefetches"] == 0
     pages = cache.alloc_device(8)
     cache.insert(TOKENS, pages)  # write-through to host works; the L3 write fails, counted
     cache.flush()

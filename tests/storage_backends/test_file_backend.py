@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,26 @@ def test_fsync_policies_round_trip(tmp_path: Path, fsync: str) -> None:
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
 
 
+def _fs_takes_o_direct(d: Path) -> bool:
+    probe = d / ".probe"
+    probe.write_bytes(b"x")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
+def _aligned_views(n_records: int, record_bytes: int) -> list[memoryview]:
+    """Views of `record_bytes` each, the first at a 4 KiB-aligned address, back to back."""
+    block = torch.zeros(n_records * record_bytes + 4096, dtype=torch.uint8)
+    base = (-block.data_ptr()) % 4096
+    mv = memoryview(block.numpy())
+    return [mv[base + i * record_bytes : base + (i + 1) * record_bytes] for i in range(n_records)]
+
+
 @pytest.mark.parametrize("payload", [4 * 4096 - HEADER_BYTES, 5000])
 def test_o_direct_aligned_or_fallback(tmp_path: Path, payload: int) -> None:
     b = fb(tmp_path, o_direct=True)
@@ -111,19 +132,109 @@ def test_o_direct_aligned_or_fallback(tmp_path: Path, payload: int) -> None:
     recs = make_records(codec, keys)
     # Records in 4 KiB-aligned host memory (the case O_DIRECT can take).
     n = codec.record_bytes
-    src = torch.zeros(2 * n + 4096, dtype=torch.uint8)
-    base = (-src.data_ptr()) % 4096
-    src_views = [memoryview(src.numpy())[base + i * n : base + (i + 1) * n] for i in range(2)]
+    src_views = _aligned_views(2, n)
     for v, r in zip(src_views, recs):
         v[:] = r
     assert b.batch_set(keys, src_views) == [True, True]
     assert b.path_of(keys[0]).read_bytes() == bytes(recs[0])
-    dst = torch.zeros(2 * n + 4096, dtype=torch.uint8)
-    dbase = (-dst.data_ptr()) % 4096
-    out = [memoryview(dst.numpy())[dbase + i * n : dbase + (i + 1) * n] for i in range(2)]
+    out = [_aligned_views(1, n)[0] for _ in range(2)]  # each read buffer aligned
     assert b.batch_get(keys, out) == [True, True]
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
     assert b.stats().errors == 0
+    if _fs_takes_o_direct(tmp_path):
+        # Whole blocks straight into `out`; a partial last block (payload 5000) via a bounce.
+        assert (b.o_direct, b.direct_reads) == (True, 2)
+    else:
+        assert (b.o_direct, b.direct_reads) == (False, 0)
+
+
+def test_o_direct_unaligned_buffer_reads_buffered(tmp_path: Path) -> None:
+    b = fb(tmp_path, o_direct=True)
+    codec = make_codec(3 * 4096)
+    keys = make_keys(2)
+    recs = make_records(codec, keys)
+    assert b.batch_set(keys, views(recs)) == [True, True]
+    out = [v[1:] for v in _aligned_views(2, codec.record_bytes + 1)]  # never 4 KiB-aligned
+    assert b.batch_get(keys, out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    assert (b.direct_reads, b.stats().errors) == (0, 0)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
+def test_o_direct_refused_by_the_file_system_falls_back(tmp_path: Path) -> None:
+    """tmpfs refuses O_DIRECT (EINVAL at open): the backend switches to buffered I/O once."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        if _fs_takes_o_direct(Path(d)):
+            pytest.skip("this /dev/shm takes O_DIRECT")
+        b = fb(Path(d), o_direct=True)
+        codec = make_codec(4 * 4096 - HEADER_BYTES)
+        keys = make_keys(3)
+        recs = make_records(codec, keys)
+        src = _aligned_views(3, codec.record_bytes)
+        for v, r in zip(src, recs):
+            v[:] = r
+        assert b.batch_set(keys, src) == [True] * 3
+        out = _aligned_views(3, codec.record_bytes)
+        assert b.batch_get(keys, out) == [True] * 3
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert (b.o_direct, b.direct_reads, b.stats().errors) == (False, 0, 0)
+
+
+class _WhoReads(FileBackend):
+    """Records which thread read and which thread checked each page."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        self.read_by: dict[str, str] = {}
+        self.checked_by: dict[str, str] = {}
+
+    def _read(self, path: str, dst: memoryview) -> int:
+        self.read_by[Path(path).name] = threading.current_thread().name
+        return super()._read(path, dst)
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        self.checked_by[key] = threading.current_thread().name
+        return super().check_record(key, length, buf)
+
+
+def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None:
+    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4},
+                                namespace=NAMESPACE.hex()))
+    codec = make_codec(20000)
+    keys = make_keys(8)
+    recs = make_records(codec, keys)
+    assert b.batch_set(keys, views(recs)) == [True] * 8
+    bad = b.path_of(keys[5])
+    data = bytearray(bad.read_bytes())
+    data[HEADER_BYTES + 7] ^= 0x20
+    bad.write_bytes(bytes(data))
+    pool = torch.zeros((10, codec.record_bytes), dtype=torch.uint8)
+    slots = [9, 0, 4, 2, 7, 1, 3, 8]
+    out = [memoryview(pool[s].numpy()) for s in slots]
+    assert b.batch_get(keys, out) == [True] * 5 + [False] + [True] * 2
+    for i, (s, r) in enumerate(zip(slots, recs)):
+        if i != 5:
+            assert pool[s].numpy().tobytes() == bytes(r)
+    assert int(pool[5].sum()) == int(pool[6].sum()) == 0  # slots nobody read into
+    # Four slices of two pages: the caller reads the first, pool threads the others; each
+    # page is checked by the thread that read it, right after reading it.
+    assert [b.read_by[k] for k in keys[:2]] == ["MainThread"] * 2
+    assert all(b.read_by[k].startswith("hicache-file-read") for k in keys[2:])
+    assert b.checked_by == b.read_by
+    st = b.stats()
+    assert (st.get_pages, st.get_hits, st.corrupt_pages, st.errors) == (8, 7, 1, 0)
+    assert not bad.exists()  # the corrupt page was deleted
+    b.close()
+
+
+def test_read_threads_config(tmp_path: Path) -> None:
+    assert fb(tmp_path).read_threads == 4
+    assert fb(tmp_path, read_threads=1).read_threads == 1
+    with pytest.raises(ConfigError, match="read_threads"):
+        fb(tmp_path, read_threads=0)
+    assert fb(tmp_path, capacity_bytes="2MiB").capacity_bytes == 2 << 20
 
 
 def test_reads_into_a_torch_host_pool(tmp_path: Path) -> None:

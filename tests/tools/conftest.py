@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE_TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
@@ -35,6 +35,6 @@ def mooncake_rows(
 
 @pytest.fixture
 def mooncake_trace() -> Path:
-    if not MOONCAKE_TRACE.exists():
-        pytest.skip(f"the shared Mooncake trace is absent ({MOONCAKE_TRACE})")
+    """The Mooncake conversation trace shipped in the repository (traces/README.md)."""
+    assert MOONCAKE_TRACE.is_file(), f"the repository's trace is missing: {MOONCAKE_TRACE}"
     return MOONCAKE_TRACE

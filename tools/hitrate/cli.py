@@ -11,109 +11,16 @@ import argparse
 import json
 import logging
 import math
-import re
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from hicache.errors import ConfigError, HiCacheError
+from tools.hitrate.sizes import kv_bytes_from_model, parse_size, to_pages
+from tools.hitrate.traces import MAX_LINE_BYTES, MAX_REQUEST_TOKENS, Limits
 
 logger = logging.getLogger(__name__)
-
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_TOKEN_UNITS = {"": 1, "t": 1, "tok": 1, "tokens": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_PAGE_UNITS = {"p": 1, "page": 1, "pages": 1}
-_UNBOUNDED = {"unbounded", "inf", "infinite", "unlimited"}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> tuple[str, float] | None:
-    """`'2GiB'` -> ('bytes', 2147483648); `'4096'`/`'4k'` -> ('tokens', ...); `'64p'` ->
-    ('pages', 64); `'unbounded'` -> None."""
-    if text.strip().lower() in _UNBOUNDED:
-        return None
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(
-            f"bad size {text!r}: use tokens (4096, 2M), pages (64p), bytes "
-            "(2GiB, 500MB) or 'unbounded'"
-        )
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if unit in _TOKEN_UNITS:
-        return ("tokens", value * _TOKEN_UNITS[unit])
-    if unit in _PAGE_UNITS:
-        return ("pages", value)
-    if unit in _BYTE_UNITS:
-        return ("bytes", value * _BYTE_UNITS[unit])
-    raise ConfigError(f"bad size unit {m.group(2)!r} in {text!r}")
-
-
-def to_pages(
-    spec: tuple[str, float] | None, page_size: int, kv_bytes_per_token: float | None, flag: str
-) -> int | None:
-    if spec is None:
-        return None
-    kind, v = spec
-    if kind == "pages":
-        return int(v)
-    if kind == "tokens":
-        return int(v // page_size)
-    if not kv_bytes_per_token:
-        raise ConfigError(
-            f"{flag} is given in bytes: pass --kv-bytes-per-token N or --model-path DIR "
-            "(or use tokens / pages)"
-        )
-    return int(v / kv_bytes_per_token // page_size)
-
-
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "fp8": 1,
-    "int8": 1,
-}
-
-
-def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
-    """2 * layers * kv_heads * head_dim * dtype bytes, from a HF checkpoint's config.json."""
-    cfg_path = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--model-path: {cfg_path} not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--model-path: {cfg_path} is not JSON ({e.msg})") from None
-    cfg = cfg.get("text_config", cfg)
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(
-            f"--model-path: {cfg_path} lacks {e} (need num_hidden_layers, "
-            "num_attention_heads, hidden_size or head_dim)"
-        ) from None
-    dtype = kv_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    if dtype not in _DTYPE_BYTES:
-        raise ConfigError(f"unknown KV dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
-    return float(2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype])
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -149,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-bad-lines",
         action="store_true",
         help="skip malformed lines (counted and reported) instead of stopping",
+    )
+    g.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=MAX_REQUEST_TOKENS,
+        metavar="N",
+        help="bound on every input and output length of a request (and so on its block "
+        f"count); a line over it is a bad line (default {MAX_REQUEST_TOKENS:,})",
+    )
+    g.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"bound on the length of one trace line (default {MAX_LINE_BYTES:,})",
     )
     g.add_argument(
         "--ignore-output",
@@ -303,6 +225,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    for flag in ("max_request_tokens", "max_line_bytes"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:
         ev_cfg = json.loads(args.eviction_policy_config)
     except json.JSONDecodeError as e:
@@ -320,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer=tokenizer,
         skip_bad_lines=args.skip_bad_lines,
         limit=args.limit,
+        limits=Limits(args.max_request_tokens, args.max_line_bytes),
     )
     if not trace.requests:
         raise HiCacheError(f"{args.trace}: no requests")

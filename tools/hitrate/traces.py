@@ -8,13 +8,16 @@ Every format is read into the same `Request` records. Two shapes exist:
 * token traces (`engine`, `chat`, `completion`): a request carries its prompt token ids (and, for
   `engine`, its output token ids).
 
-Errors name the file and the 1-based line: `TraceError`.
+Errors name the file and the 1-based line: `TraceError`. Every length and timestamp is bounded
+(`Limits`): a line beyond a bound is a bad line like a malformed one, so a hostile or corrupt
+trace cannot make the replay run without bound in time or memory.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,22 @@ from hicache.errors import HiCacheError
 logger = logging.getLogger(__name__)
 
 FORMATS = ("mooncake", "lmcache", "engine", "chat", "completion")
+
+# Defaults of the bounds (docs/hitrate.md, "Bounds"); the CLI flags override the first two.
+MAX_REQUEST_TOKENS = 1 << 24  # 16,777,216 tokens per prompt or per output
+MAX_LINE_BYTES = 256 << 20  # 256 MiB per line
+MAX_TIMESTAMP_S = 1e11  # arrival times: finite, >= 0 and below this (about 3,000 years)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on one trace line. `max_request_tokens` bounds every input and output length
+    (`input_length`, `output_length`, `seq_len`, `max_tokens`, `input_ids`, `output_ids`) and the
+    block count (`hash_ids`, `chunk_hashes`: at most ceil(max_request_tokens / block size))."""
+
+    max_request_tokens: int = MAX_REQUEST_TOKENS
+    max_line_bytes: int = MAX_LINE_BYTES
+    max_timestamp_s: float = MAX_TIMESTAMP_S
 
 # LMCache's dtype names -> bytes per element (for kv bytes per token from a lookup log).
 _DTYPE_BYTES = {
@@ -94,9 +113,16 @@ def detect_format(obj: Any) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _iter_lines(path: Path) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
+class _LineTooLong(Exception):
+    pass
+
+
+def _iter_lines(
+    path: Path, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
     """Non-blank lines with their 1-based numbers; a line that is not UTF-8 comes as the
-    decode error, so the reader can name (or skip) that very line."""
+    decode error, one longer than `max_line_bytes` as `_LineTooLong` (read past, never held
+    whole), so the reader can name (or skip) that very line."""
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
@@ -106,7 +132,14 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
     except OSError as e:
         raise TraceError(path, None, f"cannot open: {e.strerror}") from None
     with fh:
-        for lineno, raw in enumerate(fh, start=1):
+        lineno = 0
+        while raw := fh.readline(max_line_bytes + 1):
+            lineno += 1
+            if len(raw) > max_line_bytes:
+                while not raw.endswith(b"\n") and (raw := fh.readline(1 << 20)):
+                    pass
+                yield lineno, _LineTooLong(f"line longer than {max_line_bytes:,} bytes")
+                continue
             if not raw.strip():
                 continue
             try:
@@ -115,31 +148,68 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
                 yield lineno, e
 
 
-def _int(obj: dict[str, Any], key: str, minimum: int = 0) -> int:
+def _int(obj: dict[str, Any], key: str, minimum: int = 0, maximum: int | None = None) -> int:
     v = obj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise ValueError(f"{key!r} must be an integer >= {minimum}, got {v!r}")
+        raise ValueError(f"{key!r} must be an integer >= {minimum}, got {_short(v)}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{key!r} is {v:,}, over the bound of {maximum:,} (--max-request-tokens)")
     return v
 
 
-def _int_list(obj: dict[str, Any], key: str, allow_empty: bool = True) -> list[int]:
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _int_list(
+    obj: dict[str, Any], key: str, allow_empty: bool = True, max_len: int | None = None
+) -> list[int]:
     v = obj.get(key)
-    if not isinstance(v, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
-    ):
+    if not isinstance(v, list):
+        raise ValueError(f"{key!r} must be a list of non-negative integers")
+    if max_len is not None and len(v) > max_len:
+        raise ValueError(
+            f"{key!r} has {len(v):,} entries, over the bound of {max_len:,} (--max-request-tokens)"
+        )
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise ValueError(f"{key!r} must be a list of non-negative integers")
     if not allow_empty and not v:
         raise ValueError(f"{key!r} is empty")
     return v
 
 
+def _timestamp(obj: dict[str, Any], key: str, scale: float, limits: Limits) -> float:
+    """The arrival time in seconds (`scale` converts the trace's unit); 0 when absent. Must be a
+    finite, non-negative number below `limits.max_timestamp_s` (JSON's NaN / Infinity are not)."""
+    v = obj.get(key)
+    if v is None:
+        return 0.0
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ValueError(f"{key!r} must be a number, got {_short(v)}")
+    ts = float(v) * scale
+    if not math.isfinite(ts) or ts < 0 or ts >= limits.max_timestamp_s:
+        raise ValueError(
+            f"{key!r} must be a finite number >= 0 (below {limits.max_timestamp_s:g} s), "
+            f"got {_short(v)}"
+        )
+    return ts
+
+
 class _Reader:
     """Parses the lines of one format into `Request`s; keeps the dense block-id map."""
 
     def __init__(
-        self, fmt: str, block_size: int, tokenizer: Any | None, add_generation_prompt: bool
+        self,
+        fmt: str,
+        block_size: int,
+        tokenizer: Any | None,
+        add_generation_prompt: bool,
+        limits: Limits,
     ) -> None:
         self.fmt = fmt
+        self.limits = limits
+        self.max_tokens = limits.max_request_tokens
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.add_generation_prompt = add_generation_prompt
@@ -159,21 +229,19 @@ class _Reader:
         return out
 
     def _mooncake(self, obj: dict[str, Any], n: int) -> Request:
-        hashes = _int_list(obj, "hash_ids")
-        input_len = _int(obj, "input_length")
-        output_len = _int(obj, "output_length")
         bs = self.block_size
+        hashes = _int_list(obj, "hash_ids", max_len=-(-self.max_tokens // bs))
+        input_len = _int(obj, "input_length", maximum=self.max_tokens)
+        output_len = _int(obj, "output_length", maximum=self.max_tokens)
         if not (bs * (len(hashes) - 1) < input_len <= bs * len(hashes)) and input_len > 0:
             raise ValueError(
                 f"input_length {input_len} does not fit {len(hashes)} blocks of {bs} tokens "
                 f"(wrong --block-size?)"
             )
-        ts = obj.get("timestamp", 0)
-        if not isinstance(ts, (int, float)):
-            raise ValueError(f"'timestamp' must be a number, got {ts!r}")
+        ts = _timestamp(obj, "timestamp", 1e-3, self.limits)
         return Request(
             rid=str(obj.get("request_id", n)),
-            ts=float(ts) / 1000.0,
+            ts=ts,
             input_len=input_len,
             output_len=output_len,
             blocks=self._dense(hashes),
@@ -183,8 +251,8 @@ class _Reader:
         hashes = obj.get("chunk_hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, (str, int)) for h in hashes):
             raise ValueError("'chunk_hashes' must be a list of hash strings")
-        seq_len = _int(obj, "seq_len")
-        chunk = _int(obj, "chunk_size", 1)
+        seq_len = _int(obj, "seq_len", maximum=self.max_tokens)
+        chunk = _int(obj, "chunk_size", 1, maximum=self.max_tokens)
         if self.lm_chunk is None:
             self.lm_chunk = self.block_size = chunk
         elif chunk != self.lm_chunk:
@@ -200,28 +268,30 @@ class _Reader:
                 total += size * _DTYPE_BYTES.get(str(dt), 0)
             if total:
                 self.kv_bytes_per_token = total / chunk
-        ts = obj.get("timestamp", 0.0)
+        ts = _timestamp(obj, "timestamp", 1.0, self.limits)
         return Request(
             rid=str(obj.get("request_id", n)),
-            ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+            ts=ts,
             input_len=seq_len,
             output_len=0,
             blocks=self._dense(hashes),
         )
 
     def _engine(self, obj: dict[str, Any], n: int) -> Request:
-        prompt = _int_list(obj, "input_ids", allow_empty=False)
-        output = _int_list(obj, "output_ids") if "output_ids" in obj else []
+        prompt = _int_list(obj, "input_ids", allow_empty=False, max_len=self.max_tokens)
+        output = (
+            _int_list(obj, "output_ids", max_len=self.max_tokens) if "output_ids" in obj else []
+        )
         extra = obj.get("extra_key")
         if extra is not None and not isinstance(extra, str):
             raise ValueError(f"'extra_key' must be a string or null, got {extra!r}")
         cached = obj.get("cached_tokens")
         if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
             raise ValueError(f"'cached_tokens' must be an integer, got {cached!r}")
-        ts = obj.get("ts", 0.0)
+        ts = _timestamp(obj, "ts", 1.0, self.limits)
         return Request(
             rid=str(obj.get("rid", n)),
-            ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+            ts=ts,
             input_len=len(prompt),
             output_len=len(output),
             prompt=prompt,
@@ -234,6 +304,11 @@ class _Reader:
         for k in ("max_completion_tokens", "max_tokens"):
             v = obj.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                if v > self.max_tokens:
+                    raise ValueError(
+                        f"{k!r} is {v:,}, over the bound of {self.max_tokens:,} "
+                        "(--max-request-tokens)"
+                    )
                 return v
         return 0
 
@@ -267,6 +342,11 @@ class _Reader:
     def _openai(self, obj: dict[str, Any], n: int, ids: list[int]) -> Request:
         if not ids:
             raise ValueError("prompt tokenises to nothing")
+        if len(ids) > self.max_tokens:
+            raise ValueError(
+                f"the prompt is {len(ids):,} tokens, over the bound of {self.max_tokens:,} "
+                "(--max-request-tokens)"
+            )
         salt = obj.get("cache_salt")
         return Request(
             rid=str(obj.get("request_id", obj.get("user", n))) if "request_id" in obj else str(n),
@@ -294,6 +374,7 @@ def read_trace(
     skip_bad_lines: bool = False,
     limit: int | None = None,
     add_generation_prompt: bool = True,
+    limits: Limits | None = None,
 ) -> Trace:
     """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
 
@@ -301,9 +382,12 @@ def read_trace(
     file and line, unless `skip_bad_lines` (then it is counted in `Trace.bad_lines`). A directory
     is read as its `lookup_hashes_*.jsonl` files (LMCache's rotated logs), or else its `*.jsonl`
     files, in name order. LMCache records are replayed in timestamp order, as LMCache's simulator
-    does.
+    does. `limits` bounds every line (`Limits()` by default); a line over a bound is a bad line.
     """
     path = Path(path)
+    limits = limits or Limits()
+    if limits.max_request_tokens < 1 or limits.max_line_bytes < 1:
+        raise TraceError(path, None, f"bounds must be >= 1: {limits}")
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(path, None, f"unknown format {fmt!r}; known: auto, {', '.join(FORMATS)}")
     if path.is_dir():
@@ -327,11 +411,11 @@ def read_trace(
             bad_numbers.append(lineno)
         logger.debug("%s:%d: skipped: %s", current, lineno, msg)
 
-    def lines() -> Iterator[tuple[int, str | UnicodeDecodeError]]:
+    def lines() -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
         nonlocal current
         for f in files:
             current = f
-            yield from _iter_lines(f)
+            yield from _iter_lines(f, limits.max_line_bytes)
 
     for lineno, line in lines():
         if limit is not None and len(requests) >= limit:
@@ -339,10 +423,16 @@ def read_trace(
         if isinstance(line, UnicodeDecodeError):
             reject(lineno, f"not UTF-8 text ({line.reason})")
             continue
+        if isinstance(line, _LineTooLong):
+            reject(lineno, f"{line} (--max-line-bytes)")
+            continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             reject(lineno, f"malformed JSON ({e.msg} at column {e.colno})")
+            continue
+        except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, deep nesting
+            reject(lineno, f"malformed JSON ({str(e).split(':')[0]})")
             continue
         if reader is None:
             detected = detect_format(obj)
@@ -355,7 +445,7 @@ def read_trace(
                     f"pass --format ({', '.join(FORMATS)})",
                 )
                 continue
-            reader = _Reader(use, block_size, tokenizer, add_generation_prompt)
+            reader = _Reader(use, block_size, tokenizer, add_generation_prompt, limits)
         if not isinstance(obj, dict):
             reject(lineno, f"expected a JSON object, got {type(obj).__name__}")
             continue

@@ -1,0 +1,221 @@
+"""Engine forward speed next to `transformers` on the same random-weight checkpoint, in one run.
+
+  prefill_long   one long prompt: our `ModelRunner.forward` vs the transformers forward
+  prefill_batch  several prompts in one ragged forward vs one padded-free transformers forward
+                 of the same prompts stacked as a batch (all the same length)
+  decode_bsN     ms per decode step of N requests (greedy, argmax fed back as the engine does)
+                 vs transformers `generate` run one request at a time (ms per token); the ratio
+                 is tokens/s ours over tokens/s theirs
+
+Writes benchmarks/results/bench_engine[_quick].json. Compare ratios, not absolute times.
+
+    python benchmarks/bench_engine.py [--quick] [--device cpu|cuda] [--dtype float32]
+        [--hidden 256] [--layers 4] [--attention-backend auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int, seed: int = 1) -> Path:
+    """A random-weight Llama (64-dim heads, 2:1 GQA) as config.json + model.safetensors."""
+    from safetensors.torch import save_file
+
+    from engine.demo_model import random_weights
+
+    heads = max(1, hidden // 64)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": int(hidden * 2.75) // 32 * 32,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+        "eos_token_id": None, "bos_token_id": None,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(random_weights(config, seed), str(out / "model.safetensors"))
+    return out
+
+
+def timed(
+    fn: Callable[[], Any], sync: Callable[[], None], repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Best of `repeats` times (seconds, by `clock`) after one warm-up call."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        sync()
+        best = min(best, clock() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a size that runs in about a minute on CPU")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="decode CUDA graphs up to this batch (CUDA + triton; 0: off)")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="the long prompt")
+    p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
+    p.add_argument("--batch-prompt-tokens", type=int, default=256)
+    p.add_argument("--decode-batches", default="1,16,64")
+    p.add_argument("--decode-context", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: default)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="cpu: this process's CPU time (CPU device, robust on a shared machine; "
+                   "meaningful with --threads 1)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.hidden, a.layers, a.vocab = 256, 2, 4096
+        a.prompt_tokens, a.batch_prompts, a.batch_prompt_tokens = 512, 4, 128
+        a.decode_context, a.decode_steps, a.repeats = 64, 8, 2
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_runner import ModelRunner
+    from engine.models import load_model
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
+    cuda = device.type == "cuda"
+    if cuda and a.clock == "cpu":
+        p.error("--clock cpu measures CPU time; use wall on CUDA")
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    decode_batches = [int(x) for x in a.decode_batches.split(",") if x]
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, a.vocab, (n,), generator=g).tolist()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
+        model = load_model(path, dtype=dtype, device=device)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ps = a.page_size
+    need = max(a.prompt_tokens, a.batch_prompts * a.batch_prompt_tokens,
+               max(decode_batches) * (a.decode_context + a.decode_steps + 2 * ps))
+    kw: dict[str, Any] = {}
+    if "cuda_graph_max_bs" in inspect.signature(ModelRunner).parameters:  # not before graphs
+        kw = {"cuda_graph_max_bs": a.cuda_graph_max_bs, "context_length": need}
+    runner = ModelRunner(model, num_pages=need // ps + 8, page_size=ps, dtype=dtype, device=device,
+                         attention_backend=a.attention_backend, **kw)
+    alloc = runner.pool.allocator
+    results: dict[str, Any] = {}
+
+    def pages_for(n_tokens: int) -> list[int]:
+        got = alloc.alloc(-(-n_tokens // ps))
+        assert got is not None, "pool too small"
+        return got
+
+    # ---- prefill ------------------------------------------------------------------------
+    def prefill_case(name: str, prompts: list[list[int]]) -> None:
+        tables = [pages_for(len(x)) for x in prompts]
+        seqs = [(x, 0, t) for x, t in zip(prompts, tables)]
+        ours = timed(lambda: runner.forward(seqs), sync, a.repeats, clock)
+        ids = torch.tensor(prompts, device=device)
+        with torch.no_grad():
+            theirs = timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), sync, a.repeats, clock)
+        for t in tables:
+            alloc.free(t)
+        tokens = sum(len(x) for x in prompts)
+        results[name] = {
+            "tokens": tokens, "ours_tok_s": tokens / ours, "transformers_tok_s": tokens / theirs,
+            "ratio": theirs / ours,
+        }
+        print(f"{name:14s} {tokens:6d} tok  ours {tokens / ours:10.0f} tok/s  "
+              f"transformers {tokens / theirs:10.0f} tok/s  ratio {theirs / ours:.2f}x", flush=True)
+
+    prefill_case("prefill_long", [prompt(a.prompt_tokens)])
+    prefill_case("prefill_batch", [prompt(a.batch_prompt_tokens) for _ in range(a.batch_prompts)])
+
+    # ---- decode -------------------------------------------------------------------------
+    ctx, steps = a.decode_context, a.decode_steps
+    x = torch.tensor([prompt(ctx)], device=device)
+    with torch.no_grad():
+        def gen(n: int) -> Callable[[], Any]:
+            return lambda: hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       pad_token_id=0)
+        t1 = timed(gen(1), sync, a.repeats, clock)
+        tn = timed(gen(steps + 1), sync, a.repeats, clock)
+    hf_ms = (tn - t1) / steps * 1e3
+    for bs in decode_batches:
+        prompts = [prompt(ctx) for _ in range(bs)]
+        tables = [pages_for(ctx + steps + 1) for _ in range(bs)]
+        logits = runner.forward([(q, 0, t) for q, t in zip(prompts, tables)])
+        first = logits.argmax(-1).tolist()
+
+        def decode_run(first: list[int] = first, tables: list[list[int]] = tables) -> None:
+            toks = list(first)
+            for s in range(steps):
+                out = runner.forward([([tok], ctx + s, t) for tok, t in zip(toks, tables)])
+                toks = out.argmax(-1).tolist()
+
+        ours_ms = timed(decode_run, sync, a.repeats, clock) / steps * 1e3
+        for t in tables:
+            alloc.free(t)
+        ratio = (bs / ours_ms) / (1 / hf_ms)
+        results[f"decode_bs{bs}"] = {
+            "batch": bs, "context": ctx, "ours_ms_per_step": ours_ms,
+            "transformers_ms_per_token": hf_ms, "ours_tok_s": bs / ours_ms * 1e3,
+            "transformers_tok_s": 1e3 / hf_ms, "ratio": ratio,
+        }
+        print(f"decode bs={bs:3d}  ours {ours_ms:8.2f} ms/step  transformers {hf_ms:8.2f} "
+              f"ms/token (one request at a time)  tokens/s ratio {ratio:.2f}x", flush=True)
+
+    report = {
+        "benchmark": "bench_engine",
+        "args": vars(a),
+        "attention_backend": runner.attn.name,
+        "cuda_graph": bool(getattr(runner, "graph_runner", None)),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    out = Path(a.out) if a.out else (
+        ROOT / "benchmarks" / "results" / f"bench_engine{'_quick' if a.quick else ''}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,285 @@
+"""Several engines behind the SGLang model gateway (`smg`), with and without one shared L3.
+
+The multi-turn workload of `bench_multiturn.py` (users holding multi-turn conversations on one
+shared system prompt; each turn's prompt is the whole history plus a new message) is played over
+HTTP `/generate` (streamed: TTFT is measured by the client, through the gateway) against:
+
+  single      one engine serving the whole workload (L1+L2+L3 on its own store): the reference
+  rr          N engines behind `smg --policy round_robin`, L1+L2 only
+  rr_l3       the same, all engines on one shared `hicache-server`
+  rr_l3_t64   rr_l3 with the L3 prefetch threshold at 64 tokens instead of 256: a turn's missing
+              history is often shorter than 256 tokens, and below the threshold it is computed
+  ca          N engines behind `smg --policy cache_aware`, L1+L2 only
+  ca_l3       the same with the shared `hicache-server`
+
+Every configuration starts fresh processes (engines, store, gateway) on loopback ports. Per
+configuration: token hit rate per tier (summed over the engines' `/hicache/stats`), TTFT
+p50/p90, requests per engine; then ratios side by side. JSON into
+benchmarks/results/bench_multi_instance[_quick].json.
+
+    python benchmarks/bench_multi_instance.py [--quick] [--engines 3] [--users 12] [--turns 4]
+
+Run it inside the loopback-only namespace like the tests: `scripts/in_netns.sh python ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_multiturn import make_checkpoint, make_workload  # noqa: E402
+
+TARGETS = {
+    # cluster token hit rate / single engine's: at least this much
+    "rr_l3_hit_rate_vs_single": (">=", 0.9),
+    # TTFT p50 with the shared L3 / the same cluster without it: at most this much
+    "rr_l3_p50_vs_rr": ("<=", 0.5),
+}
+CONFIGS = {
+    "single": {"engines": 1, "policy": None, "l3": True},
+    "rr": {"engines": None, "policy": "round_robin", "l3": False},
+    "rr_l3": {"engines": None, "policy": "round_robin", "l3": True},
+    "rr_l3_t64": {"engines": None, "policy": "round_robin", "l3": True, "prefetch_threshold": 64},
+    "ca": {"engines": None, "policy": "cache_aware", "l3": False},
+    "ca_l3": {"engines": None, "policy": "cache_aware", "l3": True},
+}
+
+
+def stream_generate(client: httpx.Client, url: str, ids: list[int], n: int
+                    ) -> tuple[float, list[int], int]:
+    """One streamed /generate: (TTFT seconds, output ids, cached tokens)."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    last: dict[str, Any] = {}
+    with client.stream("POST", url + "/generate", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"]))
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = chunk
+    if ttft is None:
+        raise RuntimeError("no token streamed")
+    return ttft, list(last["output_ids"]), int(last["meta_info"]["cached_tokens"])
+
+
+def play(url: str, system: list[int], users: list[list[list[int]]], a: argparse.Namespace
+         ) -> dict[str, Any]:
+    """Every user's turns in order; `a.concurrency` users at once; a user whose turn finished
+    goes to the back of the queue (as in bench_multiturn)."""
+    history = [list(system) for _ in users]
+    todo: deque[tuple[int, int]] = deque((u, 0) for u in range(len(users)))
+    lock = threading.Lock()
+    ttfts: list[float] = []
+    by_turn: dict[int, list[float]] = {}
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0}
+    errors: list[str] = []
+
+    def worker() -> None:
+        with httpx.Client(timeout=600) as client:
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    u, r = todo.popleft()
+                prompt = history[u] + users[u][r]
+                try:
+                    ttft, out, cached = stream_generate(client, url, prompt, a.output_tokens)
+                except (httpx.HTTPError, RuntimeError) as e:
+                    with lock:
+                        errors.append(f"user {u} turn {r}: {e}")
+                    return
+                with lock:
+                    ttfts.append(ttft)
+                    by_turn.setdefault(r, []).append(ttft)
+                    totals["prompt_tokens"] += len(prompt)
+                    totals["cached_tokens"] += cached
+                    totals["requests"] += 1
+                    history[u] = prompt + out
+                    if r + 1 < len(users[u]):
+                        todo.append((u, r + 1))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(a.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors[:3]))
+    ttfts.sort()
+    q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else ttfts * 9
+    return {"wall_s": round(time.perf_counter() - t0, 3),
+            "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p90_s": round(q[8], 4),
+            "ttft_mean_s": round(statistics.fmean(ttfts), 4),
+            # turn 0 computes the new message alone everywhere; later turns show the reuse
+            "ttft_p50_by_turn_s": {t: round(statistics.median(v), 4)
+                                   for t, v in sorted(by_turn.items())},
+            "computed_prompt_tokens": totals["prompt_tokens"] - totals["cached_tokens"],
+            **totals}
+
+
+def wait_idle(engines: list[Any], timeout: float = 300) -> list[dict[str, Any]]:
+    """Stats of every engine once its transfers are done."""
+    return [e.wait_transfers(timeout) for e in engines]
+
+
+def run_config(name: str, spec: dict[str, Any], tmp: Path, model: Path, system: list[int],
+               users: list[list[list[int]]], a: argparse.Namespace) -> dict[str, Any]:
+    from tests.deployment.cluster import Gateway, start_engines
+    from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+
+    work = tmp / name
+    work.mkdir()
+    n = spec["engines"] or a.engines
+    flags = ["--model-path", str(model), "--page-size", str(a.page_size),
+             "--max-total-tokens", str(a.device_tokens), "--hicache-ratio", str(a.host_ratio),
+             "--max-running-requests", str(a.concurrency), "--context-length", "8192",
+             "--chunked-prefill-size", "4096"]
+    store = None
+    engines: list[Any] = []
+    gw = None
+    try:
+        if spec["l3"]:
+            store = HiCacheServerProc(work, capacity="2GiB").start()
+            extra: dict[str, Any] = {"url": store.url}
+            threshold = spec.get("prefetch_threshold", a.prefetch_threshold)
+            if threshold is not None:
+                extra["prefetch_threshold"] = threshold
+            flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "hicache",
+                     "--hicache-storage-backend-extra-config", json.dumps(extra), *flags,
+                     "--hicache-storage-prefetch-policy", a.prefetch]
+        else:
+            flags = ["--enable-hierarchical-cache", *flags]
+        os.environ["OMP_NUM_THREADS"] = str(a.engine_threads)
+        engines = start_engines(work, n, flags, name=name)
+        url = engines[0].url
+        if spec["policy"] is not None:
+            gw = Gateway(work, [e.url for e in engines], spec["policy"])
+            gw.start(n)
+            url = gw.url
+        res = play(url, system, users, a)
+        stats = wait_idle(engines)
+        hits = {t: sum(int(s[f"{t}_hit_tokens"]) for s in stats)
+                for t in ("device", "host", "storage")}
+        res["hit_tokens"] = hits
+        res["hit_rate"] = round(sum(hits.values()) / res["prompt_tokens"], 4)
+        res["hit_rate_per_tier"] = {t: round(h / res["prompt_tokens"], 4)
+                                    for t, h in hits.items()}
+        res["requests_per_engine"] = [int(s["scheduler"]["finished"]) for s in stats]
+        res["storage_pages_written"] = sum(int(s["storage_backup_pages"]) for s in stats)
+        res["engines"] = n
+        res["policy"] = spec["policy"]
+        res["shared_l3"] = spec["l3"]
+        return res
+    finally:
+        if gw is not None:
+            gw.stop()
+        for e in engines:
+            e.stop()
+        if store is not None:
+            store.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model and workload")
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--users", type=int, default=9)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--user-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--device-tokens", type=int, default=8192, help="device KV pool per engine")
+    p.add_argument("--host-ratio", type=float, default=2.0)
+    p.add_argument("--prefetch", default="wait_complete",
+                   help="--hicache-storage-prefetch-policy of the engines on L3")
+    p.add_argument("--prefetch-threshold", type=int, default=None,
+                   help="L3 prefetch threshold in tokens (default: the engine's, 256)")
+    p.add_argument("--engine-threads", type=int, default=1, help="OMP threads per engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.users, a.turns, a.system_tokens, a.user_tokens = 6, 4, 256, 64
+        a.hidden, a.layers = 512, 2
+    if a.out is None:
+        name = "bench_multi_instance_quick.json" if a.quick else "bench_multi_instance.json"
+        a.out = ROOT / "benchmarks" / "results" / name
+    tmp = Path(tempfile.mkdtemp(prefix="bench-multi-instance-"))
+    try:
+        model = make_checkpoint(tmp / "model", a.hidden, a.layers, a.vocab)
+        system, users = make_workload(a)
+        results: dict[str, Any] = {}
+        for name in a.configs.split(","):
+            r = results[name] = run_config(name, CONFIGS[name], tmp, model, system, users, a)
+            print(f"{name:9s} ttft p50 {r['ttft_p50_s']:.3f}s p90 {r['ttft_p90_s']:.3f}s "
+                  f"hit rate {r['hit_rate']:.3f} {r['hit_rate_per_tier']} "
+                  f"per engine {r['requests_per_engine']} by turn {r['ttft_p50_by_turn_s']}",
+                  flush=True)
+        ratios: dict[str, float] = {}
+        for name, r in results.items():
+            if name != "single" and "single" in results:
+                ratios[f"{name}_hit_rate_vs_single"] = round(
+                    r["hit_rate"] / results["single"]["hit_rate"], 3)
+            base = name.split("_l3")[0]
+            if "_l3" in name and base in results:
+                for q in ("p50", "p90"):
+                    ratios[f"{name}_{q}_vs_{base}"] = round(
+                        r[f"ttft_{q}_s"] / results[base][f"ttft_{q}_s"], 3)
+        targets = {}
+        for k, (op, v) in TARGETS.items():
+            m = ratios.get(k)
+            targets[k] = {"target": f"{op} {v}", "measured": m,
+                          "met": None if m is None else (m >= v if op == ">=" else m <= v)}
+        report = {
+            "benchmark": "bench_multi_instance",
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+            "results": results,
+            "ratios": ratios,
+            "targets": targets,
+        }
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=2) + "\n")
+        for k, t in targets.items():
+            print(f"{k}: {t['measured']} (target {t['target']}, met={t['met']})")
+        print(f"wrote {a.out}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

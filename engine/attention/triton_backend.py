@@ -1,0 +1,110 @@
+"""`triton` attention: paged decode and ragged extend kernels reading K/V straight from the pool.
+
+One store launch plus one attention launch per layer (two for decode: split-K and its
+reduction), whatever the batch size; no K/V gather, no per-request loop. A decode forward reads
+only tensors (page table, lengths), so it can be captured in a CUDA graph
+(`engine/cuda_graph.py`). On CPU the kernels run under Triton's interpreter, which must be on
+before triton is imported (`TRITON_INTERPRET=1`): that is how the tests check the kernels
+against the `torch` backend; it is far too slow to serve with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, ForwardBatch
+from hicache.errors import ConfigError
+from hicache.pools import DeviceKVPool
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class _DecodeMeta:
+    mid_o: torch.Tensor  # [B, H, splits, D] float32 partial outputs
+    mid_lse: torch.Tensor  # [B, H, splits] float32 their log-sum-exp
+
+
+@dataclass
+class _ExtendMeta:
+    max_q_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_splits: int | None = None,
+    ) -> None:
+        super().__init__(pool, num_heads, head_dim, scale)
+        if not triton_available():
+            raise ConfigError("attention_backend 'triton' needs the triton package")
+        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "attention_backend 'triton' on CPU runs only under TRITON_INTERPRET=1 "
+                "(for tests; use 'torch' to serve on CPU)"
+            )
+        if num_heads % pool.kv_heads:
+            raise ConfigError(f"{num_heads} query heads are not a multiple of "
+                              f"{pool.kv_heads} KV heads")
+        from engine.attention import triton_kernels
+
+        self.k = triton_kernels
+        cuda = pool.device.type == "cuda"
+        # Split-K of decode: enough programs to fill a GPU at small batch sizes.
+        self.num_splits = num_splits or (8 if cuda else 2)
+        # Extend tiles; small under the interpreter so the tests cross tile borders.
+        self.block = 64 if cuda else 32
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            b, h, d, s = batch.batch_size, self.num_heads, self.head_dim, self.num_splits
+            dev = self.pool.device
+            batch.meta = _DecodeMeta(
+                torch.empty((b, h, s, d), dtype=torch.float32, device=dev),
+                torch.empty((b, h, s), dtype=torch.float32, device=dev),
+            )
+        else:
+            batch.meta = _ExtendMeta(batch.max_q_len)
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        pool = self.pool
+        kbuf, vbuf = pool.k_buffer[layer], pool.v_buffer[layer]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.k.store_kv(k, v, kbuf, vbuf, batch.out_slots)
+        out = torch.empty_like(q)
+        meta = batch.meta
+        if isinstance(meta, _DecodeMeta):
+            self.k.decode_attention(
+                q, kbuf, vbuf, batch.page_table, batch.kv_lens_t, pool.page_size, self.scale,
+                meta.mid_o, meta.mid_lse, out,
+            )
+        else:
+            assert isinstance(meta, _ExtendMeta)
+            self.k.extend_attention(
+                q, kbuf, vbuf, batch.page_table, batch.q_starts, batch.q_lens_t, batch.kv_lens_t,
+                meta.max_q_len, pool.page_size, self.scale, out, self.block, self.block,
+            )
+        return out.reshape(q.shape[0], -1)

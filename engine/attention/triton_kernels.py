@@ -1,0 +1,271 @@
+"""Triton kernels of the `triton` attention backend: paged K/V store, decode and extend.
+
+Modelled on SGLang's triton attention backend (decode_attention.py, extend_attention.py), written
+for our pool: K/V of one layer are `[slots, kv_heads, head_dim]`, a request's slots are reached
+through its row of the padded int32 page table (`slot = page * PAGE + pos % PAGE`).
+
+- `store_kv`: the new tokens' K and V into their slots, one launch; a slot of -1 is skipped (the
+  padding rows of a CUDA-graph batch).
+- `decode_attention`: one query token per request, GQA-grouped (the query heads of one KV head
+  share every K/V load and use `tl.dot`), split-K over the sequence (`num_splits` partial
+  results with their log-sum-exp), then a reduction kernel: two launches per layer.
+- `extend_attention`: a ragged batch of new tokens over cached prefixes, causal within the new
+  tokens and full over the prefix; one launch per layer, grid (request, head, query block).
+
+Every kernel reads lengths and page ids from tensors only, so a decode step can be captured in
+a CUDA graph. On CPU they run under Triton's interpreter (`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Only `triton.language` builtins below, no functions of its standard library (`tl.max`,
+# `tl.sum`, `tl.zeros`, `tl.cdiv` are themselves `@triton.jit` functions): those are decorated
+# when triton is first imported, and if that import happened before TRITON_INTERPRET=1 was set
+# (transformers imports triton) they cannot run inside an interpreted kernel.
+
+
+@triton.jit
+def _fmax(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _fadd(a, b):
+    return a + b
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 must stay float32 (TF32 would change greedy outputs vs the torch backend).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KBuf, VBuf, Slots,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_bh,
+    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_h[:, None] * 0 + slot) >= 0  # the slot's sign, as a block
+    mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < HEAD_DIM) & valid
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    dst = slot * stride_bt + offs_h[:, None] * stride_bh + offs_d[None, :]
+    tl.store(KBuf + dst, k.to(KBuf.dtype.element_ty), mask=mask)
+    tl.store(VBuf + dst, v.to(VBuf.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """`kbuf[slots[t]] = k[t]` (and V) for every `t` with `slots[t] >= 0`."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, kbuf, vbuf, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kbuf.stride(0), kbuf.stride(1),
+        HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
+        BLOCK_D=_block_d(d),
+    )
+
+
+@triton.jit
+def _decode_stage1(
+    Q, KBuf, VBuf, PageTable, KvLens, MidO, MidLse, sm_scale,
+    stride_qt, stride_qh, stride_bt, stride_bh, stride_pt,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    kv_len = tl.load(KvLens + b)
+    split_len = (kv_len + NUM_SPLITS - 1) // NUM_SPLITS
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * stride_bt + kvh * stride_bh + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
+        m_i = m_new
+    has = l_i > 0.0  # an empty split (short sequence) reports -inf and a zero partial
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    mo = MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
+    tl.store(mo + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, Out,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    # Split 0 is never empty (kv_len >= 1), so the running max is finite from the first step.
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    den = tl.full([1], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + s + tl.full([1], 0, dtype=tl.int32))
+        o = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + offs_d,
+                    mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse)
+        old = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * old + w * o
+        den = den * old + w
+        m = m_new
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_d, (acc / den).to(Out.dtype.element_ty),
+             mask=mask_d)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    kbuf: torch.Tensor,  # [slots, Hkv, D]
+    vbuf: torch.Tensor,
+    page_table: torch.Tensor,  # [B, P] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    page_size: int,
+    scale: float,
+    mid_o: torch.Tensor,  # [B, H, num_splits, D] float32 scratch
+    mid_lse: torch.Tensor,  # [B, H, num_splits] float32 scratch
+    out: torch.Tensor,  # [B, H, D]
+    block_n: int = 32,
+) -> None:
+    b, h, d = q.shape
+    hkv = kbuf.shape[1]
+    group = h // hkv
+    splits = mid_lse.shape[2]
+    _decode_stage1[(b, hkv, splits)](
+        q, kbuf, vbuf, page_table, kv_lens, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, PAGE=page_size, NUM_SPLITS=splits, HEAD_DIM=d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
+    )
+    _decode_stage2[(b, h)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=_block_d(d),
+    )
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KBuf, VBuf, Out, PageTable, QStarts, QLens, KvLens, sm_scale,
+    stride_qt, stride_qh, stride_bt, stride_bh, stride_ot, stride_oh, stride_pt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    kvh = h // GROUP
+    q_len = tl.load(QLens + b)
+    q_start = tl.load(QStarts + b)
+    kv_len = tl.load(KvLens + b)
+    prefix = kv_len - q_len
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    # Keys up to the block's last query (causal); none for a block past this request's tokens.
+    end = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
+    end = tl.where(mblk * BLOCK_M < q_len, end, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * stride_bt + kvh * stride_bh + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
+        # Key 0 is visible to every row, so each row's max is finite after the first block.
+        ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
+        qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D]
+    kbuf: torch.Tensor,  # [slots, Hkv, D]
+    vbuf: torch.Tensor,
+    page_table: torch.Tensor,  # [B, P] int32
+    q_starts: torch.Tensor,  # [B + 1] int32
+    q_lens: torch.Tensor,  # [B] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    max_q_len: int,
+    page_size: int,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]
+    block_m: int = 32,
+    block_n: int = 32,
+) -> None:
+    t, h, d = q.shape
+    b = q_lens.shape[0]
+    hkv = kbuf.shape[1]
+    _extend_kernel[(b, h, triton.cdiv(max_q_len, block_m))](
+        q, kbuf, vbuf, out, page_table, q_starts, q_lens, kv_lens, scale,
+        q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0),
+        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
+    )

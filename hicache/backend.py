@@ -1,0 +1,281 @@
+"""The L3 storage interface: `StorageConfig`, `BackendStats` and the `StorageBackend` ABC.
+
+Backends move opaque page *records* (bytes, see hicache.codec). `StorageBackend.batch_get`
+validates each record it returns, so a truncated, bit-flipped or misplaced record is a counted
+miss (and deleted where the backend can), never KV handed to a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from hicache.codec import verify_record
+from hicache.errors import StorageCorrupt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """What every backend constructor receives: `Backend(config)`."""
+
+    # Backend-specific settings (`--hicache-storage-backend-extra-config`, a JSON object).
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    # Hex namespace seed of the owning cache; backends may use it as a key prefix. Keys are
+    # already namespaced by construction (see hicache.keys), so this is for tidiness/ops only.
+    namespace: str = ""
+    # Size in bytes of one page record for this cache (0 when unknown).
+    record_bytes: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.extra.get(key, default)
+
+
+@dataclass
+class BackendStats:
+    """Counters of one backend object. Units are in the names."""
+
+    exists_calls: int = 0
+    get_pages: int = 0  # pages asked for by batch_get
+    get_hits: int = 0  # pages returned valid
+    set_pages: int = 0  # pages asked to be stored
+    set_failures: int = 0  # pages batch_set reported False for
+    bytes_read: int = 0
+    bytes_written: int = 0  # bytes of the records batch_set reported stored
+    # Records dropped as corrupt: failed validation in batch_get, or reported by a caller
+    # through report_corrupt. The one count of corrupt L3 pages (CacheStats reads it).
+    corrupt_pages: int = 0
+    errors: int = 0  # failed operations (unreachable, I/O error, disk full...)
+    deleted_pages: int = 0
+    evicted_pages: int = 0  # pages the backend dropped to stay under its capacity
+    stored_pages: int = -1  # pages currently held (-1: the backend cannot tell)
+    stored_bytes: int = -1
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Checked(NamedTuple):
+    """One key's outcome of a checked read (`StorageBackend._get_checked`)."""
+
+    length: int  # the stored record's length in bytes; -1 when the key is absent
+    problem: str | None  # why the record is corrupt; None when valid or absent
+
+
+_ABSENT = Checked(-1, None)
+# Records at least this long are checked off the reading thread (a thread hand-off costs tens of
+# microseconds; XXH3 checks 256 KiB in about ten).
+OFFLOAD_CHECK_BYTES = 256 << 10
+CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def check_pool() -> ThreadPoolExecutor:
+    """The process-wide threads that check records (recreated after a fork)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="hicache-check")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+class RecordChecker:
+    """Checks records while the backend goes on reading: `add` each record as soon as it is in
+    its buffer (a large one is checked on a `check_pool` thread, the GIL released), `results`
+    when the batch is read. So the check of record i overlaps the read of record i+1."""
+
+    def __init__(self, backend: StorageBackend, n: int) -> None:
+        self._backend = backend
+        self._res: list[Checked] = [_ABSENT] * n
+        self._pending: list[tuple[int, int, Future[str | None]]] = []
+
+    def add(self, i: int, key: str, length: int, buf: memoryview) -> None:
+        """Record i (`key`, stored length `length`, -1 when absent) was read into `buf`."""
+        if length < 0:
+            return
+        if length >= OFFLOAD_CHECK_BYTES and length == memoryview(buf).nbytes:
+            fut = check_pool().submit(self._backend.check_record, key, length, buf)
+            self._pending.append((i, length, fut))
+        else:
+            self._res[i] = Checked(length, self._backend.check_record(key, length, buf))
+
+    def results(self) -> list[Checked]:
+        for i, length, fut in self._pending:
+            self._res[i] = Checked(length, fut.result())
+        self._pending.clear()
+        return self._res
+
+
+class StorageBackend(ABC):
+    """An L3 page store shared by many cache instances.
+
+    Contract (every backend, checked by tests/storage_backends/test_contract.py):
+    - Methods are thread-safe: the cache's prefetch and backup threads call them concurrently.
+    - `batch_exists(keys)` returns the length of the leading run of `keys` present.
+    - `batch_get(keys, out)` fills `out[i]` with the record of `keys[i]` and returns, per key,
+      whether a *valid* record was delivered. A missing key is False; a record that fails
+      `verify_record` (or has another length than `out[i]`, or names another namespace than
+      `config.namespace` when that is set) is False too, counted in
+      `stats().corrupt_pages` and deleted. The contents of `out[i]` are unspecified when False.
+    - `batch_set(keys, values)` stores each record all-or-nothing; returns per key whether it
+      is now stored. Setting an existing key again is harmless (records of a key are identical).
+    - A method that cannot do its work raises `StorageError` (`StorageUnavailable` when
+      transient): it never returns None or a partial list.
+
+    `batch_get` and `batch_set` are template methods: a backend implements the raw `_get_into`
+    (or, to check records while it reads, `_get_checked`) and `_set_from`; argument checks,
+    validation and the get/set/corrupt counters live here once. (A backend may still override
+    `batch_set` itself and count its own set counters.)
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, config: StorageConfig) -> None:
+        if (
+            type(self).batch_set is StorageBackend.batch_set
+            and type(self)._set_from is StorageBackend._set_from
+        ):
+            raise TypeError(f"{type(self).__name__} implements neither _set_from nor batch_set")
+        self.config = config
+        self._stats = BackendStats()
+        self._stats_lock = threading.Lock()
+        self._warned_corrupt = False
+        # Records whose header names another namespace are rejected when ours is known.
+        self._namespace = bytes.fromhex(config.namespace) if config.namespace else b""
+
+    # -- to implement ---------------------------------------------------------------------
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        """Raw read. Per key: the stored value's length, or -1 when absent. The bytes are copied
+        into `out[i]` only when that length equals `len(out[i])`."""
+
+    def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        """Raw write of a non-empty batch (`len(keys) == len(values)` is checked): per key,
+        whether it is now stored. Raise `StorageError` when nothing could be done."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files. Idempotent."""
+
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        """Read and check each record. The default reads the batch with `_get_into`, then
+        checks its large records on `check_pool` threads and the rest in this one. A backend
+        that receives records one by one overrides this to feed a `RecordChecker` as they
+        arrive; one that reads in several threads runs `check_record` in them, right after
+        each read (the checksum releases the GIL)."""
+        lengths = self._get_into(keys, out)
+        if len(lengths) != len(keys):
+            raise AssertionError(f"{type(self).__name__}._get_into returned {len(lengths)} results")
+        checker = RecordChecker(self, len(keys))
+        for i, (key, n, buf) in enumerate(zip(keys, lengths, out)):
+            checker.add(i, key, n, buf)
+        return checker.results()
+
+    # -- provided -------------------------------------------------------------------------
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        """Why the record of `key` just read into `buf` (stored length `length`) is corrupt,
+        or None when it is valid. Thread-safe; counts nothing."""
+        try:
+            if length != len(memoryview(buf).cast("B")):
+                raise StorageCorrupt(f"stored record is {length} bytes, expected {len(buf)}")
+            header = verify_record(buf, key)
+            if self._namespace and header.namespace != self._namespace:
+                raise StorageCorrupt("record is from another namespace")
+        except StorageCorrupt as e:
+            return str(e)
+        return None
+
+    def batch_get(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(out):
+            raise ValueError(f"{len(keys)} keys but {len(out)} buffers")
+        if not keys:
+            return []
+        checked = self._get_checked(keys, out)
+        if len(checked) != len(keys):
+            raise AssertionError(f"{type(self).__name__} returned {len(checked)} results")
+        ok: list[bool] = []
+        bad: list[str] = []
+        nbytes = 0
+        for key, (n, problem) in zip(keys, checked):
+            if n < 0:
+                ok.append(False)
+            elif problem is not None:
+                bad.append(key)
+                ok.append(False)
+                if not self._warned_corrupt:
+                    self._warned_corrupt = True
+                    logger.warning("%s: dropping corrupt page %s: %s", self.name, key[:16], problem)
+                else:
+                    logger.debug("%s: dropping corrupt page %s: %s", self.name, key[:16], problem)
+            else:
+                ok.append(True)
+                nbytes += n
+        if bad:
+            self.report_corrupt(bad)
+        self._count(get_pages=len(keys), get_hits=sum(ok), bytes_read=nbytes)
+        return ok
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        ok = self._set_from(keys, values)
+        if len(ok) != len(keys):
+            raise AssertionError(f"{type(self).__name__}._set_from returned {len(ok)} results")
+        written = sum(memoryview(v).nbytes for v, stored in zip(values, ok) if stored)
+        self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
+        return ok
+
+    def report_corrupt(self, keys: Sequence[str]) -> None:
+        """Count `keys` as corrupt and delete them (a caller that found a bad record, e.g. a
+        page of another format, calls this: `stats().corrupt_pages` is the one count). Never
+        raises: a failed delete is only logged."""
+        self._count(corrupt_pages=len(keys))
+        try:
+            self.delete(keys)
+        except Exception as e:  # noqa: BLE001 - deletion is best effort
+            logger.debug("%s: could not delete corrupt pages: %s", self.name, e)
+
+    def stats(self) -> BackendStats:
+        with self._stats_lock:
+            return BackendStats(**self._stats.as_dict())
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    def _set_gauge(self, **values: int) -> None:
+        with self._stats_lock:
+            for k, v in values.items():
+                setattr(self._stats, k, v)
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,231 @@
+"""Page records: the self-describing, checksummed bytes every L3 backend stores.
+
+A record is a fixed 128-byte header followed by the page payload. The header names the record's
+namespace, key (SHA-256 digest), token count, dtype, layout and shape, the payload length, and a
+checksum over the header fields and the payload, so every truncation, every flipped byte and every
+record stored under the wrong key is detected.
+
+Versions (the reader accepts both; the writer writes the newest):
+
+- 1: CRC32 (zlib) in the header's last 4 bytes, over header[:124] then the payload. ~2.5 GB/s on
+  one core, holds the GIL per call.
+- 2: XXH3-64 (`xxhash`, seed 0) in the header's last 8 bytes, over header[:120] then the
+  payload. ~30-60 GB/s on one core and the GIL is released while hashing, so backends can check
+  pages in their reading threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from hicache.errors import ConfigError, StorageCorrupt
+
+RECORD_MAGIC = b"HKVP"
+RECORD_VERSION = 2  # what PageCodec writes
+READ_VERSIONS = (1, 2)  # what verify_record accepts
+_MAX_DIMS = 8
+# magic, version, header_len, namespace, key digest, token_count, dtype, layout, ndim, pad,
+# shape[8], payload_len, then the checksum area: v1 = reserved 4 bytes + CRC32, v2 = XXH3-64.
+_FIELDS = f"<4sHH32s32sIBBBB{_MAX_DIMS}IQ"
+_HEADER_V1 = struct.Struct(_FIELDS + "4sI")
+_HEADER_V2 = struct.Struct(_FIELDS + "Q")
+HEADER_BYTES = _HEADER_V2.size
+assert _HEADER_V1.size == HEADER_BYTES == 128
+_SUM_OFFSET = HEADER_BYTES - 8  # v2: the XXH3 covers header[:120]
+_CRC_OFFSET = HEADER_BYTES - 4  # v1: the CRC32 covers header[:124]
+
+DTYPE_CODES: dict[str, int] = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+    "uint8": 6,
+    "int8": 7,
+}
+LAYOUT_CODES: dict[str, int] = {"layer_first": 1, "page_first": 2, "page_first_direct": 3, "raw": 4}
+_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+_LAYOUTS = {v: k for k, v in LAYOUT_CODES.items()}
+
+
+def key_digest(key: str) -> bytes:
+    """The 32 bytes a record carries to name its key (a misplaced record is detected by it)."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def checksum_v2(header: memoryview | bytes, payload: memoryview | bytes) -> int:
+    """The version-2 checksum: XXH3-64 (seed 0) of `header[:120]` followed by `payload`, hashed
+    in place (streaming; no concatenated copy)."""
+    h = xxhash.xxh3_64()
+    h.update(header[:_SUM_OFFSET])
+    h.update(payload)
+    return h.intdigest()
+
+
+def checksum_v1(header: memoryview | bytes, payload: memoryview | bytes) -> int:
+    """The version-1 checksum: CRC32 (zlib) of `header[:124]` then `payload`."""
+    return zlib.crc32(payload, zlib.crc32(header[:_CRC_OFFSET]))
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    version: int
+    namespace: bytes
+    key_digest: bytes
+    token_count: int
+    dtype: str
+    layout: str
+    shape: tuple[int, ...]
+    payload_len: int
+
+
+def verify_record(record: memoryview | bytes, key: str, *, checksum: bool = True) -> RecordHeader:
+    """Check a whole record (magic, version, length, key, checksum); return its header.
+
+    Raises `StorageCorrupt` naming the first check that failed. Needs no knowledge of the page
+    format, so every backend can validate what it reads. `checksum=False` skips only the
+    checksum, for a record that `StorageBackend.batch_get` has just verified. Thread-safe; the
+    version-2 checksum releases the GIL.
+    """
+    mv = memoryview(record).cast("B")
+    if len(mv) < HEADER_BYTES:
+        raise StorageCorrupt(f"record of {len(mv)} bytes is shorter than its header")
+    head = mv[:HEADER_BYTES]
+    (magic, version, header_len, ns, kd, tokens, dcode, lcode, ndim, _pad, *rest) = (
+        _HEADER_V2.unpack(head)
+    )
+    shape_dims = rest[:_MAX_DIMS]
+    payload_len, stored = rest[_MAX_DIMS:]
+    if magic != RECORD_MAGIC:
+        raise StorageCorrupt(f"bad magic {magic!r}")
+    if version not in READ_VERSIONS:
+        raise StorageCorrupt(f"unsupported record version {version}")
+    if header_len != HEADER_BYTES:
+        raise StorageCorrupt(f"bad header length {header_len}")
+    if len(mv) != HEADER_BYTES + payload_len:
+        raise StorageCorrupt(
+            f"record is {len(mv)} bytes, header says {HEADER_BYTES + payload_len}"
+        )
+    if checksum:
+        if version == 2:
+            actual = checksum_v2(head, mv[HEADER_BYTES:])
+        else:
+            stored = _HEADER_V1.unpack(head)[-1]
+            actual = checksum_v1(head, mv[HEADER_BYTES:])
+        if actual != stored:
+            raise StorageCorrupt(
+                f"checksum mismatch (record v{version}: stored {stored:#x}, computed {actual:#x})"
+            )
+    if kd != key_digest(key):
+        raise StorageCorrupt(f"record belongs to another key than {key[:16]}...")
+    if dcode not in _DTYPES or lcode not in _LAYOUTS or ndim > _MAX_DIMS:
+        raise StorageCorrupt("unknown dtype, layout or rank")
+    return RecordHeader(
+        version=version,
+        namespace=ns,
+        key_digest=kd,
+        token_count=tokens,
+        dtype=_DTYPES[dcode],
+        layout=_LAYOUTS[lcode],
+        shape=tuple(shape_dims[:ndim]),
+        payload_len=payload_len,
+    )
+
+
+class PageCodec:
+    """Encodes and decodes the records of one page format (namespace, dtype, shape, layout).
+
+    Writes version-2 records (XXH3-64); reads versions 1 and 2 (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        *,
+        namespace: bytes,
+        dtype: str,
+        shape: Sequence[int],
+        layout: str,
+        tokens_per_page: int,
+        itemsize: int,
+    ) -> None:
+        if len(namespace) != 32:
+            raise ConfigError("namespace must be a 32-byte seed")
+        if dtype not in DTYPE_CODES:
+            raise ConfigError(f"dtype {dtype!r} has no record code; known: {sorted(DTYPE_CODES)}")
+        if layout not in LAYOUT_CODES:
+            raise ConfigError(f"layout {layout!r} has no record code")
+        if len(shape) > _MAX_DIMS:
+            raise ConfigError(f"page shape has more than {_MAX_DIMS} dims")
+        self.namespace = namespace
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.layout = layout
+        self.tokens_per_page = tokens_per_page
+        n = 1
+        for d in self.shape:
+            n *= d
+        self.payload_bytes = n * itemsize
+        self.record_bytes = HEADER_BYTES + self.payload_bytes
+
+    def _header(self, key: str, payload_len: int) -> bytes:
+        dims = list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
+        return _HEADER_V2.pack(
+            RECORD_MAGIC,
+            RECORD_VERSION,
+            HEADER_BYTES,
+            self.namespace,
+            key_digest(key),
+            self.tokens_per_page,
+            DTYPE_CODES[self.dtype],
+            LAYOUT_CODES[self.layout],
+            len(self.shape),
+            0,
+            *dims,
+            payload_len,
+            0,
+        )
+
+    def encode_into(self, key: str, payload: memoryview | bytes, out: memoryview) -> None:
+        """Write the record for `payload` into `out` (exactly `record_bytes` long)."""
+        p = memoryview(payload).cast("B")
+        if len(p) != self.payload_bytes:
+            raise ValueError(f"payload is {len(p)} bytes, page format needs {self.payload_bytes}")
+        o = memoryview(out).cast("B")
+        if len(o) != self.record_bytes:
+            raise ValueError(f"out is {len(o)} bytes, a record is {self.record_bytes}")
+        head = self._header(key, len(p))
+        o[HEADER_BYTES:] = p
+        o[:_SUM_OFFSET] = head[:_SUM_OFFSET]
+        o[_SUM_OFFSET:HEADER_BYTES] = struct.pack("<Q", checksum_v2(head, p))
+
+    def encode(self, key: str, payload: memoryview | bytes) -> bytearray:
+        out = bytearray(self.record_bytes)
+        self.encode_into(key, payload, memoryview(out))
+        return out
+
+    def decode(
+        self, record: memoryview | bytes, key: str, *, checksum: bool = True
+    ) -> memoryview:
+        """Validate `record` as this format's page `key`; return a view of its payload.
+        `checksum=False`: the record came from `StorageBackend.batch_get`, which checked it."""
+        header = verify_record(record, key, checksum=checksum)
+        if header.namespace != self.namespace:
+            raise StorageCorrupt("record is from another namespace")
+        if (header.dtype, header.layout, header.shape, header.token_count) != (
+            self.dtype,
+            self.layout,
+            self.shape,
+            self.tokens_per_page,
+        ):
+            raise StorageCorrupt(
+                f"record format {header.dtype}/{header.layout}/{header.shape}/"
+                f"{header.token_count} does not match {self.dtype}/{self.layout}/{self.shape}/"
+                f"{self.tokens_per_page}"
+            )
+        return memoryview(record).cast("B")[HEADER_BYTES:]

@@ -1,0 +1,118 @@
+"""Occupancy and invariant checks of a `HiRadixCache` (`usage`, `check_integrity`).
+
+Invariants:
+- every non-root node has device pages or host pages, one per page of its key;
+- device residency is prefix-closed: a node on the device has its parent on the device;
+- a page id is owned by exactly one node (or one in-flight transfer), and is allocated;
+- host pages = tree host pages + pages held by in-flight transfers + free pages;
+- pins are path-wide: a node's `lock_ref` / `host_ref` >= the sum of its children's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.owner import CacheOwner
+    from hicache.radix import TreeNode
+
+
+def usage(c: CacheOwner, pending_prefetches: int) -> dict[str, int]:
+    """Pool and tree occupancy, in pages and tokens, and transfer health."""
+    ps = c.page_size
+    dev = host = evictable = 0
+    for x in c.tree.nodes():
+        if x.value is not None:
+            dev += len(x.value)
+            if x.lock_ref == 0:
+                evictable += len(x.value)
+        if x.host_value is not None:
+            host += len(x.host_value)
+    return {
+        "page_size": ps,
+        "device_pages_total": c.device_alloc.num_pages,
+        "device_pages_free": c.device_alloc.num_free,
+        "device_cached_tokens": dev * ps,
+        "device_evictable_tokens": evictable * ps,
+        "host_pages_total": c.host_alloc.num_pages,
+        "host_pages_free": c.host_alloc.num_free,
+        "host_cached_tokens": host * ps,
+        "host_inflight_pages": sum(len(v) for v in c.host_inflight.values()),
+        "pending_prefetches": pending_prefetches,
+        "pending_transfers": c.controller.pending,
+        # Health: background transfer threads alive (3 unless synchronous), L3 backing off.
+        "transfer_threads_alive": c.controller.threads_alive,
+        "storage_down": int(c.controller.storage_down),
+    }
+
+
+def _check_node(c: CacheOwner, x: TreeNode, dev_seen: set[int], host_seen: set[int]) -> None:
+    ps = c.page_size
+    p = x.parent
+    assert p is not None and not x.removed, f"{x} detached but reachable"
+    assert p.children.get(x.key[:ps]) is x, f"{x} not under its parent's key"
+    assert x.key and len(x.key) % ps == 0, f"{x} key of {len(x.key)} tokens"
+    n = len(x.key) // ps
+    assert x.value is not None or x.host_value is not None, f"{x} on no tier"
+    if x.value is not None:
+        assert len(x.value) == n, f"{x}: {len(x.value)} device pages for {n} pages"
+        assert p.value is not None, f"{x} on device under a node that is not"
+        for pg in x.value:
+            assert pg not in dev_seen, f"device page {pg} owned twice"
+            assert c.device_alloc.is_used(pg), f"device page {pg} in tree but free"
+            dev_seen.add(pg)
+    if x.host_value is not None:
+        assert len(x.host_value) == n, f"{x}: {len(x.host_value)} host pages for {n}"
+        for pg in x.host_value:
+            assert pg not in host_seen, f"host page {pg} owned twice"
+            assert c.host_alloc.is_used(pg), f"host page {pg} in tree but free"
+            host_seen.add(pg)
+    if x.page_keys is not None:
+        assert len(x.page_keys) == n, f"{x}: {len(x.page_keys)} keys for {n} pages"
+    dc = sum(ch.value is not None for ch in x.children.values())
+    assert x.device_children == dc, f"{x}: device_children {x.device_children} != {dc}"
+    child_locks = sum(ch.lock_ref for ch in x.children.values())
+    assert x.lock_ref >= child_locks, f"{x}: lock_ref {x.lock_ref} < children's {child_locks}"
+    assert x.host_ref >= sum(ch.host_ref for ch in x.children.values()), (
+        f"{x}: host_ref below its children's"
+    )
+    assert x.lock_ref >= 0 and x.host_ref >= 0, f"{x}: negative pin"
+
+
+def check_integrity(c: CacheOwner, outside_device_pages: int | None = None) -> None:
+    """Raise AssertionError, with the numbers, when any invariant is broken.
+
+    `outside_device_pages`: device pages the caller holds outside the tree (running requests);
+    when given, tree pages + outside + free must equal the pool.
+    """
+    dev_seen: set[int] = set()
+    host_seen: set[int] = set()
+    for r in c.tree.roots.values():
+        assert r.value == [] and r.host_value == [], "root holds pages"
+        dc = sum(ch.value is not None for ch in r.children.values())
+        assert r.device_children == dc, f"root: device_children {r.device_children} != {dc}"
+    for x in c.tree.nodes():
+        _check_node(c, x, dev_seen, host_seen)
+    locked = sum(len(x.value) for x in c.tree.nodes() if x.value is not None and x.lock_ref)
+    assert c.tree.device_pages == len(dev_seen), (
+        f"tree counts {c.tree.device_pages} device pages, holds {len(dev_seen)}"
+    )
+    assert c.tree.locked_device_pages == locked, (
+        f"tree counts {c.tree.locked_device_pages} locked device pages, holds {locked}"
+    )
+    inflight: set[int] = set()
+    for pages in c.host_inflight.values():
+        for pg in pages:
+            assert pg not in host_seen and pg not in inflight, f"host page {pg} owned twice"
+            assert c.host_alloc.is_used(pg), f"in-flight host page {pg} is free"
+            inflight.add(pg)
+    used_host = c.host_alloc.num_used
+    assert used_host == len(host_seen) + len(inflight), (
+        f"host pool: used {used_host} != tree {len(host_seen)} + in-flight {len(inflight)}"
+    )
+    assert not (dev_seen & c.device_alloc.free_pages()), "tree device page is free"
+    if outside_device_pages is not None:
+        used = c.device_alloc.num_used
+        assert used == len(dev_seen) + outside_device_pages, (
+            f"device pool: used {used} != tree {len(dev_seen)} + outside {outside_device_pages}"
+        )

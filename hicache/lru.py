@@ -1,0 +1,87 @@
+"""`LRUByteStore`: values under string keys within a byte capacity, least recently used evicted.
+
+Used by the `memory` backend (hicache.memory_backend); any store with a byte cap and LRU
+eviction (e.g. hicache-server's memory tier) can use it. Not thread-safe: callers hold their
+own lock around a sequence of calls.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sized
+from typing import Generic, TypeVar
+
+V = TypeVar("V", bound=Sized)
+
+
+class LRUByteStore(Generic[V]):
+    """Keys in least- to most-recently-used order; the bytes of a value are `len(value)`.
+
+    `capacity_bytes` 0 means unbounded. `put` evicts from the LRU end until the new value fits
+    and refuses (returns None) a value larger than the whole capacity.
+    """
+
+    def __init__(self, capacity_bytes: int = 0) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._data: OrderedDict[str, V] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all values held."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        """Keys, least recently used first."""
+        return iter(self._data)
+
+    def __getitem__(self, key: str) -> V:
+        """The value of `key` without touching its recency; KeyError when absent."""
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: V) -> None:
+        """`put`, for a value that fits (ValueError otherwise)."""
+        if self.put(key, value) is None:
+            raise ValueError(f"{len(value)} bytes exceed the capacity {self.capacity_bytes}")
+
+    def get(self, key: str, *, touch: bool = True) -> V | None:
+        """The value of `key` (None when absent); `touch` makes it the most recently used."""
+        v = self._data.get(key)
+        if v is not None and touch:
+            self._data.move_to_end(key)
+        return v
+
+    def put(self, key: str, value: V) -> list[tuple[str, V]] | None:
+        """Store `value` as the most recently used; return the entries evicted to make room,
+        or None (nothing changed) when `value` alone exceeds the capacity."""
+        size = len(value)
+        if self.capacity_bytes and size > self.capacity_bytes:
+            return None
+        self.pop(key)
+        evicted: list[tuple[str, V]] = []
+        while self.capacity_bytes and self._bytes + size > self.capacity_bytes:
+            k, v = self._data.popitem(last=False)
+            self._bytes -= len(v)
+            evicted.append((k, v))
+        self._data[key] = value
+        self._bytes += size
+        return evicted
+
+    def pop(self, key: str) -> V | None:
+        """Remove `key`; its value, or None when absent."""
+        v = self._data.pop(key, None)
+        if v is not None:
+            self._bytes -= len(v)
+        return v
+
+    def clear(self) -> None:
+        self._data.clear()
+        self._bytes = 0

@@ -1,0 +1,274 @@
+"""The storage -> host prefetch state machine of a `HiRadixCache`.
+
+A request's prefetch goes through two operations on the controller's prefetch worker:
+
+1. *probe* (`start`): the worker asks L3 which leading pages of the request's uncached tail it
+   has (`batch_exists`, in batches). The owner's thread never waits on L3. The host copies of
+   the matched prefix are pinned (`host_ref`); no device copy is.
+2. *fetch* (`acked`, when the probe's ack is applied): host pages are reserved for exactly the
+   pages L3 has (pending prefetches hold at most `prefetch_max_host_share` of the host pool),
+   and the worker reads them in batches, stopping at the first missing or invalid page.
+
+Then *taken* (`take`, at admission: the pages fetched so far become host-only nodes under the
+end of their prefix, if the tree still holds it) or *cancelled* (`cancel`), and *released*
+(`released`, once the worker is done too: the reserved pages no node took are freed). `ready`
+applies the prefetch policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from hicache.controller import PrefetchOp
+from hicache.keys import page_keys
+from hicache.radix import Tokens, common_pages
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache.controller import BackupOp, Transfer
+    from hicache.owner import CacheOwner
+    from hicache.radix import TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+def is_probe(op: PrefetchOp) -> bool:
+    """A probe asks L3 and reads nothing: it has keys but no host pages."""
+    return not op.host_pages
+
+
+class Prefetcher:
+    def __init__(self, owner: CacheOwner) -> None:
+        self.c = owner
+        self.pending: dict[str, PrefetchOp] = {}  # by request id, until taken or cancelled
+        self.held = 0  # host pages owned by prefetches (pending, or taken and not yet released)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def start(self, rid: str, t: Tokens, extra_key: str | None) -> int:
+        """Probe L3 for the pages of `t` beyond what the tree holds. Returns the tokens asked
+        (0: not started: no L3 or L3 backing off, below `prefetch_threshold`, or the host share
+        is used up)."""
+        c = self.c
+        ps = c.page_size
+        cfg = c.config
+        if not c.has_storage or rid in self.pending:
+            return 0
+        nodes = c.tree.match_split(t, extra_key)
+        matched = sum(x.num_pages for x in nodes)
+        n = min(len(t) // ps - matched, self._allowance())
+        if n <= 0 or n * ps < cfg.prefetch_threshold or not c.controller.storage_available():
+            c.counters.prefetch_skipped += 1
+            return 0
+        anchor = nodes[-1] if nodes else c.tree.root(extra_key)
+        pin = c.tree.root(extra_key)  # the leading run of matched nodes with a host copy
+        for x in nodes:
+            if x.host_value is None:
+                break
+            pin = x
+        digests = page_keys(t[matched * ps : (matched + n) * ps], ps, c.chain.last_digest(anchor))
+        c.tree.inc_host_ref(pin)
+        op = PrefetchOp(
+            request_id=rid,
+            anchor=pin,
+            tokens=t,
+            start_page=matched,
+            keys=[d.hex() for d in digests],
+            host_pages=[],
+            started=time.monotonic(),
+            budget_s=cfg.prefetch_timeout(n * ps),
+        )
+        self.pending[rid] = op
+        c.controller.submit_prefetch(op)
+        return n * ps
+
+    def _allowance(self) -> int:
+        share = self.c.config.prefetch_max_host_share
+        return int(share * self.c.host_alloc.num_pages) - self.held
+
+    def acked(self, op: PrefetchOp) -> None:
+        """A prefetch operation finished on the worker (applied on the owner's thread)."""
+        c = self.c
+        if is_probe(op):
+            if self.pending.get(op.request_id) is op:
+                self._fetch(op)
+            return
+        st = c.counters
+        st.prefetch_pages += op.completed
+        st.prefetch_tokens += op.completed * c.page_size
+        st.prefetch_bytes += op.nbytes
+        st.prefetch_seconds += op.seconds
+        if op.taken is not None or op.cancelled:
+            self.released(op)
+
+    def _fetch(self, probe: PrefetchOp) -> None:
+        """The probe found `probe.completed` leading pages in L3: reserve host pages for them
+        and read them."""
+        c = self.c
+        ps = c.page_size
+        n = min(probe.completed, self._allowance())
+        host = c.alloc_host(n) if n > 0 and n * ps >= c.config.prefetch_threshold else None
+        if host is None:  # nothing in L3 (or too little), or no host room
+            c.counters.prefetch_skipped += 1
+            del self.pending[probe.request_id]
+            c.unpinned(c.tree.dec_host_ref(probe.anchor))
+            return
+        op = PrefetchOp(
+            request_id=probe.request_id,
+            anchor=probe.anchor,
+            tokens=probe.tokens,
+            start_page=probe.start_page,
+            keys=probe.keys[:n],
+            host_pages=host,
+            started=probe.started,
+            budget_s=c.config.prefetch_timeout(n * ps),
+        )
+        self.pending[op.request_id] = op
+        self.held += n
+        c.host_inflight[id(op)] = host
+        c.counters.prefetch_started += 1
+        c.controller.submit_prefetch(op)
+
+    def ready(self, rid: str) -> bool:
+        """Whether the prefetch policy lets request `rid` be scheduled now."""
+        op = self.pending.get(rid)
+        if op is None or op.done.is_set() and (not is_probe(op) or op.completed == 0):
+            return True
+        policy = self.c.config.prefetch_policy
+        if policy == "best_effort":
+            return True
+        if policy == "wait_complete":
+            return False
+        return time.monotonic() - op.started >= op.budget_s
+
+    def progress(self, rid: str) -> tuple[int, int]:
+        """(pages fetched so far, pages being fetched) of a pending prefetch; (0, 0) when none
+        or while L3 is being asked."""
+        op = self.pending.get(rid)
+        return (op.completed, len(op.keys)) if op and not is_probe(op) else (0, 0)
+
+    def cancel(self, rid: str) -> None:
+        """Drop the prefetch of a request that went away; its host pages are given back as soon
+        as the worker has stopped touching them."""
+        op = self.pending.pop(rid, None)
+        if op is None:
+            return
+        op.cancelled = True
+        op.stop.set()
+        self.c.unpinned(self.c.tree.dec_host_ref(op.anchor))
+        if op.done.is_set() and not is_probe(op):
+            self.released(op)
+
+    def cancel_all(self) -> None:
+        for rid in list(self.pending):
+            self.cancel(rid)
+
+    def take(self, rid: str) -> int:
+        """At admission: insert the pages fetched so far as host-only nodes; return the tokens
+        that became new in the tree (0 with no prefetch)."""
+        op = self.pending.pop(rid, None)
+        if op is None:
+            return 0
+        c = self.c
+        ps = c.page_size
+        op.stop.set()
+        if is_probe(op):
+            op.cancelled = True
+            c.unpinned(c.tree.dec_host_ref(op.anchor))
+            return 0
+        take = op.completed
+        # Where the fetched pages attach: the end of their prefix, if the tree still holds all
+        # of it (its device-only part may have been evicted meanwhile: then nothing is taken).
+        ek = op.anchor.extra_key
+        nodes = c.tree.match_split(op.tokens[: op.start_page * ps], ek)
+        if sum(x.num_pages for x in nodes) != op.start_page:
+            take = 0
+        op.taken = take
+        anchor = nodes[-1] if nodes else c.tree.root(ek)
+        new_tokens, dups = self._insert_host_pages(op, anchor, take)
+        if dups:
+            c.host_alloc.free(dups)
+            c.counters.prefetch_revoked_pages += len(dups)
+        c.host_inflight[id(op)] = op.host_pages[take:]
+        self.held -= take
+        c.unpinned(c.tree.dec_host_ref(op.anchor))
+        if op.done.is_set():
+            self.released(op)
+        return new_tokens
+
+    def _insert_host_pages(
+        self, op: PrefetchOp, node: TreeNode, take: int
+    ) -> tuple[int, list[int]]:
+        c = self.c
+        ps = c.page_size
+        t = op.tokens
+        base = op.start_page
+        dups: list[int] = []
+        j = 0
+        while j < take:
+            lo = (base + j) * ps
+            child = node.children.get(t[lo : lo + ps])
+            if child is None:
+                child = c.tree.new_child(node, t[lo : (base + take) * ps])
+                child.host_value = op.host_pages[j:take]
+                child.page_keys = [bytes.fromhex(k) for k in op.keys[j:take]]
+                child.stored = True
+                c.events.stored(child, "host")
+                c.host_candidates.push(child)
+                return (take - j) * ps, dups
+            m = common_pages(child.key, t[lo : (base + take) * ps], ps)
+            if m < child.num_pages:
+                child = c.tree.split(child, m)
+            child.stored = True
+            if child.host_value is None:
+                child.host_value = op.host_pages[j : j + m]  # a device-only node gains a copy
+                c.events.stored(child, "host")
+            else:
+                dups.extend(op.host_pages[j : j + m])
+            node = child
+            j += m
+        return 0, dups
+
+    def released(self, op: PrefetchOp) -> None:
+        """Free the host pages of `op` that no node took. Once, after the worker is done."""
+        if op.released:
+            return
+        op.released = True
+        c = self.c
+        left = c.host_inflight.pop(id(op), [])
+        self.held -= len(left)
+        if left:
+            c.host_alloc.free(left)
+        c.counters.prefetch_revoked_pages += max(0, op.completed - (op.taken or 0))
+
+
+class ProbingTransfer:
+    """The `Transfer` the controller runs prefetches through. A probe (a `PrefetchOp` with no
+    host pages) asks L3 which leading pages it has, batch by batch, on the prefetch worker, and
+    counts them in `op.completed`; a fetch reads as `inner` does."""
+
+    def __init__(self, inner: Transfer) -> None:
+        self.inner = inner
+
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        self.inner.device_to_host(device_pages, host_pages)
+
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
+        self.inner.host_to_device(host_pages, device_pages)
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return self.inner.exists(keys)
+
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
+        self.inner.store(keys, host_pages, op)
+
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
+        if host_pages:
+            return self.inner.fetch(keys, host_pages, op)
+        n = self.inner.exists(keys)  # a probe: count the leading run present, read nothing
+        op.completed += n
+        return n == len(keys)
