@@ -140,3 +140,17 @@ class ReplyBudget:
             "requests_waited": self.waited,
             "requests_refused_busy": self.refused,
         }
+
+
+def cap_reply(lengths: list[int], limit: int) -> tuple[list[int], int]:
+    """`lengths` with every page from the first that would take the total past `limit`
+    marked absent (-1); and the total of the rest."""
+    out: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if n >= 0 and total + n > limit:
+            out.extend([-1] * (len(lengths) - i))
+            break
+        out.append(n)
+        total += max(n, 0)
+    return out, total

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from storage_backends.server import protocol as P
-from storage_backends.server.budget import ReplyBudget
+from storage_backends.server.budget import ReplyBudget, cap_reply
 from storage_backends.server.cli import (  # noqa: F401 - re-exported
     AUTH_ENV,
     DEFAULT_CLIENT_REPLY_BUDGET,
@@ -359,7 +359,7 @@ class HiCacheServer:
         sizes = self.store.sizes(keys)
         if self.persist is not None:
             sizes = [n if n is not None else self.persist.size_of(k) for k, n in zip(keys, sizes)]
-        return _cap([-1 if n is None else n for n in sizes], self.budget.per_client_bytes)[1]
+        return cap_reply([-1 if n is None else n for n in sizes], self.budget.per_client_bytes)[1]
 
     def _get(self, rid: int, keys: list[str]) -> P.GetReply:
         values = self.store.get(keys)
@@ -377,7 +377,7 @@ class HiCacheServer:
             self.metrics.misses.inc(len(keys) - hits)
         # One reply carries at most --client-reply-budget bytes: the pages past it are answered
         # as absent (misses), so that one reply always fits the budget.
-        lengths, _ = _cap([-1 if v is None else nbytes(v) for v in values],
+        lengths, _ = cap_reply([-1 if v is None else nbytes(v) for v in values],
                           self.budget.per_client_bytes)
         if any(n < 0 and v is not None for n, v in zip(lengths, values)):
             self.counters["reply_truncated"] += 1
@@ -487,16 +487,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
 
-
-def _cap(lengths: list[int], limit: int) -> tuple[list[int], int]:
-    """`lengths` with every page from the first that would take the total past `limit`
-    marked absent (-1); and the total of the rest."""
-    out: list[int] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if n >= 0 and total + n > limit:
-            out.extend([-1] * (len(lengths) - i))
-            break
-        out.append(n)
-        total += max(n, 0)
-    return out, total

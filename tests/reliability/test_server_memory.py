@@ -72,7 +72,7 @@ def test_clients_that_do_not_read_keep_rss_within_capacity_plus_reply_budget(
         for r in range(6):  # one key 10,000 times: refused, not 10,000 copies of a page
             dup.send_multipart(P.encode(P.GetRequest(request_id=r + 1, keys=[keys[0]] * 10_000)))
             sent += 1
-        for h in range(2):
+        for _ in range(2):
             s = _hostile(ctx, srv.url)
             hostile.append(s)
             for r in range(GETS):
