@@ -206,6 +206,11 @@ class CacheState:
         if self.controller.synchronous:
             self.acks.poll()
 
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a background transfer completes; True when an ack is
+        waiting to be applied."""
+        return self.controller.wait_progress(timeout)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every background transfer (and the ones their acks start) to finish."""
         self.acks.flush(timeout)
