@@ -170,8 +170,10 @@ class HiCacheServer:
                 # Wait behind this connection's earlier requests, or for its replies to drain.
                 # Kept as received bytes (decoded again when it runs); small frames are copied
                 # out of ZeroMQ's shared receive buffers; each frame is charged its overhead.
-                kept = [f if len(f) >= _KEEP_FRAME_BYTES else f.bytes for f in frames]
+                kept: Any = [f if len(f) >= _KEEP_FRAME_BYTES else f.bytes for f in frames]
                 size = sum(len(f) + _FRAME_OVERHEAD for f in kept)
+                if isinstance(req, P.ErrorReply):  # already answered: wait as the reply
+                    kept, size = req, len(req.message) + _FRAME_OVERHEAD
                 if not self.budget.park(ident, (envelope, kept, t0), size):
                     rid = req.request_id
                     busy = self._error(
@@ -191,7 +193,7 @@ class HiCacheServer:
                 if item is None:
                     break
                 envelope, frames, t0 = item
-                req = self._parse(frames, again=True)
+                req = frames if isinstance(frames, P.ErrorReply) else self._parse(frames, True)
                 if not self._fits(ident, req, waiting=True):
                     break
                 self.budget.unpark(ident)
