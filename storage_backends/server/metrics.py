@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from storage_backends.server.server import HiCacheServer
+from storage_backends.server.store import PageStore, WriteBehind
+
+
+class _Config(Protocol):
+    @property
+    def capacity_bytes(self) -> int: ...
+
+
+class Observed(Protocol):
+    """What the metrics read of a server (no import of the server module: no circle)."""
+
+    @property
+    def store(self) -> PageStore: ...
+
+    @property
+    def config(self) -> _Config: ...
+
+    @property
+    def persist(self) -> WriteBehind | None: ...
+
+    @property
+    def connected_clients(self) -> int: ...
 
 
 class Metrics:
     """Prometheus metrics of one server (a private registry, exported on --metrics-port)."""
 
-    def __init__(self, server: HiCacheServer, port: int) -> None:
+    def __init__(self, server: Observed, port: int) -> None:
         import prometheus_client as pc
 
         reg = pc.CollectorRegistry()
