@@ -400,7 +400,12 @@ def test_bad_requests_get_400(server: EngineServer) -> None:
         ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}),
         ("/v1/completions", {"prompt": "hi", "top_p": 2.0}),
-        ("/v1/completions", {"prompt": "hi", "n": 2}),
+        ("/v1/completions", {"prompt": "hi", "n": 0}),
+        ("/v1/completions", {"prompt": "hi", "n": 10**6}),
+        ("/v1/completions", {"prompt": ["hi"] * 600, "n": 2}),  # over 1024 generations
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}),
+        ("/v1/completions", {"prompt": "hi", "no_such_field": 1}),
+        ("/v1/completions", b'{"prompt": "\\ud800"}'),
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}),
         ("/v1/completions", {"prompt": long_ids}),
         ("/v1/completions", {"prompt": [99999]}),
