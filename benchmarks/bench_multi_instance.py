@@ -163,8 +163,7 @@ def run_config(name: str, spec: dict[str, Any], tmp: Path, model: Path, system: 
     flags = ["--model-path", str(model), "--page-size", str(a.page_size),
              "--max-total-tokens", str(a.device_tokens), "--hicache-ratio", str(a.host_ratio),
              "--max-running-requests", str(a.concurrency), "--context-length", "8192",
-             "--chunked-prefill-size", "4096",
-             "--allow-unknown-fields"]  # smg adds `model` to the /generate bodies it forwards
+             "--chunked-prefill-size", "4096"]
     store = None
     engines: list[Any] = []
     gw = None

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 # NOTE: smg 1.13 adds a `model` field to the /generate bodies it forwards, which the engine's
 # strict request bodies refuse (400 unknown_field) unless told to drop unknown fields.
-SMALL = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--allow-unknown-fields"]
+SMALL = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
 # wait_complete rather than the default `timeout`: the exact L3 hit counts below must not depend
 # on how loaded the machine is (`timeout` starts with what arrived within its budget).
 FLAGS = [*SMALL, "--hicache-storage-prefetch-policy", "wait_complete"]
