@@ -35,6 +35,7 @@ CACHE_EXTRA_KEYS = (
     "storage_batch_pages",
     "write_through_threshold",
     "load_back_threshold",
+    "load_margin",
     "storage_retry_backoff",
 )
 

@@ -112,6 +112,8 @@ class Prefetcher:
         c = self.c
         ps = c.page_size
         n = min(probe.completed, self._allowance())
+        if n > 0:  # fetch only what is cheaper to load than to recompute (cost model)
+            n = c.controller.plan_load(0, n * ps, ps).storage_tokens // ps
         host = c.alloc_host(n) if n > 0 and n * ps >= c.config.prefetch_threshold else None
         if host is None:  # nothing in L3 (or too little), or no host room
             c.counters.prefetch_skipped += 1
