@@ -96,6 +96,8 @@ class EngineArgs:
     hicache_ratio: float = 2.0
     # Host pool size in GB (0 = use hicache_ratio).
     hicache_size: float = 0.0
+    # Host memory: full (an L2 cache tier) or buffer_only (only stages pages to and from L3).
+    hicache_host_memory_mode: str = "full"
     # When pages are copied to host: write_through, write_through_selective, write_back.
     hicache_write_policy: str = "write_through"
     # Host <-> device copy method: direct or kernel (layer by layer).
@@ -106,8 +108,10 @@ class EngineArgs:
     hicache_storage_backend: str | None = None
     # JSON object for the L3 backend; prefetch_threshold / prefetch_timeout_* tune the cache.
     hicache_storage_backend_extra_config: str | dict[str, Any] | None = None
-    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout.
-    hicache_storage_prefetch_policy: str = "best_effort"
+    # When a request with an L3 prefix may start: best_effort, wait_complete, timeout (default:
+    # wait for the prefetch at most prefetch_timeout_base + prefetch_timeout_per_ki_token x
+    # tokens / 1024 seconds, both settable in the extra config).
+    hicache_storage_prefetch_policy: str = "timeout"
     # Run cache transfers inline instead of on background threads (deterministic, slower).
     hicache_synchronous: bool = False
     # Seed of sampling for requests without their own seed.
@@ -223,6 +227,7 @@ class EngineArgs:
             page_size=self.page_size,
             host_ratio=self.hicache_ratio,
             host_size_gb=self.hicache_size,
+            host_memory_mode=self.hicache_host_memory_mode,
             write_policy=self.hicache_write_policy,
             io_backend=self.hicache_io_backend,
             mem_layout=self.hicache_mem_layout,

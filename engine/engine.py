@@ -22,13 +22,15 @@ from engine.args import EngineArgs
 from engine.demo_model import ensure_demo_model
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model, model_fingerprint
+from engine.req import Req
 from engine.sampling import SamplingParams
-from engine.scheduler import NoPrefixCache, Req, Scheduler
+from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 from hicache.errors import CapacityError, ConfigError
 from hicache.hiradix import HiRadixCache
 from hicache.keys import namespace_seed
 from hicache.pools import dtype_name
+from hicache.prefix_cache import NoPrefixCache, PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +97,8 @@ class Engine:
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
             context_length=self.context_length,
         )
-        self.caching = not args.disable_radix_cache
-        self.cache: Any
-        if self.caching:
+        self.cache: PrefixCache
+        if not args.disable_radix_cache:
             hc = args.to_hicache_config()
             ns = namespace_seed(
                 model_fingerprint=self.model_id, dtype=dtype_name(self.dtype), page_size=ps,
@@ -108,10 +109,10 @@ class Engine:
                 num_host_pages=None if args.enable_hierarchical_cache else 0,
             )
         else:
-            self.cache = NoPrefixCache(self.runner)
+            self.cache = NoPrefixCache(self.runner.pool.allocator, ps)
         self.eos_token_ids = self.tokenizer.eos_token_ids(self.model_path) | set(cfg.eos_token_ids)
         self.scheduler = Scheduler(
-            self.runner, self.cache, caching=self.caching, page_size=ps,
+            self.runner, self.cache, page_size=ps,
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy, context_length=self.context_length,
@@ -123,9 +124,14 @@ class Engine:
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv=%d tokens cache=%s",
             self.model_path, self.device, dtype_name(self.dtype), self.max_total_tokens,
-            "off" if not self.caching else
+            "off" if args.disable_radix_cache else
             ("hierarchical" if args.enable_hierarchical_cache else "device"),
         )
+
+    @property
+    def caching(self) -> bool:
+        """Whether prefixes are cached (False with `disable_radix_cache`)."""
+        return isinstance(self.cache, HiRadixCache)
 
     def _num_device_pages(self, cfg: Any) -> int:
         a = self.args
@@ -300,30 +306,19 @@ class Engine:
         are in flight."""
         if self.has_unfinished():
             return False
-        if self.caching:
-            self.cache.reset()
+        self.cache.reset()
         return True
 
     def wait_transfers(self, timeout: float | None = None) -> None:
         """Wait for background cache transfers (backups to host and L3) to finish."""
-        self.cache.flush(timeout) if self.caching else None
+        self.cache.flush(timeout)
 
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier hit tokens and transfer counters (`hicache.stats.CacheStats` fields), pool
         usage, the storage backend's counters, and the scheduler's totals."""
-        if self.caching:
-            self.cache.poll()
-        stats = self.cache.stats.as_dict()
-        out: dict[str, Any] = dict(stats)
-        if self.caching:
-            out["usage"] = self.cache.usage()
-        else:
-            pool = self.runner.pool
-            out["usage"] = {
-                "page_size": pool.page_size,
-                "device_pages_total": pool.num_pages,
-                "device_pages_free": pool.allocator.num_free,
-            }
+        self.cache.poll()
+        out: dict[str, Any] = dict(self.cache.stats.as_dict())
+        out["usage"] = self.cache.usage()
         st = self.cache.storage_stats()
         out["storage"] = st.as_dict() if st is not None else None
         out["scheduler"] = {

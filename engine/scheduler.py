@@ -1,4 +1,4 @@
-"""The scheduler: continuous batching over a `HiRadixCache` (or no prefix cache at all).
+"""The scheduler: continuous batching over a `PrefixCache` (`HiRadixCache`, or `NoPrefixCache`).
 
 Each `step()`:
 
@@ -23,18 +23,18 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from engine.detokenizer import TextStream
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, sample
+from engine.req import FinishReason, Req
+from engine.sampling import sample
+from hicache.prefix_cache import NoPrefixCache, PrefixCache
 
 logger = logging.getLogger(__name__)
 
-FinishReason = dict[str, Any]
+__all__ = ["NoPrefixCache", "Req", "Scheduler"]
 # Decode growth is reserved for at most this many more tokens per request (SGLang clips too).
 CLIP_MAX_NEW_TOKENS = 1024
 # new_token_ratio: the share of the remaining max_new_tokens reserved at admission. It starts
@@ -44,76 +44,12 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 
 
-@dataclass
-class Req:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    extra_key: str | None = None
-    arrival: float = field(default_factory=time.time)
-    output: list[int] = field(default_factory=list)
-    kv_len: int = 0  # leading tokens whose K/V is in `pages`
-    pages: list[int] = field(default_factory=list)  # page table
-    tree_pages: int = 0  # leading pages owned by the tree (pinned by `node`)
-    node: Any = None  # locked tree node (None: nothing locked)
-    admission: Any = None  # the cache's `Acquired` of the latest admission
-    cached_tokens: int = -1  # prompt tokens served by the cache at first admission
-    generator: torch.Generator | None = None
-    finish_reason: FinishReason | None = None
-    text: str = ""  # the output text, cut at a stop string (set when the request finishes)
-    detok: TextStream | None = None  # incremental detokenizer and stop strings (engine.detokenizer)
-    sent_tokens: int = 0  # output tokens already reported by step()
-    first_token_time: float | None = None
-    retractions: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class NoPrefixCache:
-    """The cache used with `disable_radix_cache`: a bare page allocator, nothing is ever reused."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        from hicache.stats import CacheStats
-
-        self.allocator = runner.pool.allocator
-        self.page_size = runner.pool.page_size
-        self.stats = CacheStats()
-
-    def alloc_device(self, n_pages: int) -> list[int] | None:
-        return self.allocator.alloc(n_pages)
-
-    def free_device(self, pages: list[int]) -> None:
-        self.allocator.free(pages)
-
-    def poll(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def storage_stats(self) -> None:
-        return None
-
-
 class Scheduler:
     def __init__(
         self,
         runner: ModelRunner,
-        cache: Any,
+        cache: PrefixCache,
         *,
-        caching: bool,
         page_size: int,
         max_running_requests: int,
         chunked_prefill_size: int,
@@ -126,7 +62,6 @@ class Scheduler:
     ) -> None:
         self.runner = runner
         self.cache = cache
-        self.caching = caching
         self.page_size = page_size
         self.max_running = max_running_requests
         self.chunk_size = chunked_prefill_size
@@ -158,24 +93,28 @@ class Scheduler:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_gen).item())
             req.generator = torch.Generator().manual_seed(seed)
         self.reqs[req.rid] = req
+        # An id reused after an abort: the old request's pending abort update is not this one's.
+        self.finished_updates = [r for r in self.finished_updates if r.rid != req.rid]
         self.waiting.append(req)
-        if self.caching:
-            # Storage prefetch starts now and overlaps with the queueing time.
-            self.cache.prefetch(req.rid, req.prompt[:-1], extra_key=req.extra_key)
+        # Storage prefetch starts now and overlaps with the queueing time.
+        self.cache.prefetch(req.rid, req.prompt[:-1], extra_key=req.extra_key)
 
     def abort(self, rid: str) -> bool:
+        """Abort a request now, idle or not: it leaves the queues, its pages and locks are given
+        back, its prefetch is cancelled, and its id is free for a new request at once (its abort
+        update still comes out of the next `step()`, unless the id was reused meanwhile)."""
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return False
         if req in self.waiting:
             self.waiting.remove(req)
-            if self.caching:
-                self.cache.cancel_prefetch(rid)
         elif req is self.chunked:
             self.chunked = None
         elif req in self.running:
             self.running.remove(req)
+        self.cache.cancel_prefetch(rid)
         self._finish(req, {"type": "abort", "message": "aborted"}, compute_tail=False)
+        del self.reqs[rid]
         return True
 
     def has_unfinished(self) -> bool:
@@ -197,15 +136,15 @@ class Scheduler:
             if r.rid not in seen:
                 seen.add(r.rid)
                 out.append(r)
-            if r.finished:
-                self.reqs.pop(r.rid, None)
+            if r.finished and self.reqs.get(r.rid) is r:
+                del self.reqs[r.rid]
         return out
 
     # ---- prefill --------------------------------------------------------------------------
 
     def _ordered_waiting(self) -> list[Req]:
         reqs = list(self.waiting)
-        if self.policy == "lpm" and self.caching and len(reqs) <= 256:
+        if self.policy == "lpm" and len(reqs) <= 256:
             def hit(r: Req) -> int:
                 m = self.cache.match_prefix(r.tokens[:-1], extra_key=r.extra_key)
                 return int(m.device_tokens + m.host_tokens)
@@ -217,23 +156,16 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         """Lock the cached prefix of `req` and take its pages as the head of the page table."""
         tokens = req.tokens
-        if self.caching:
-            acq = self.cache.acquire(
-                tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False
-            )
-            req.admission = acq  # counted once the request gets its pages (_prefill_step)
-            req.node = acq.node
-            req.pages = list(acq.device_pages)
-            req.tree_pages = len(req.pages)
-            req.kv_len = int(acq.cached_tokens)
-            if req.cached_tokens < 0:
-                req.cached_tokens = req.kv_len
-        else:
-            req.pages, req.tree_pages, req.kv_len = [], 0, 0
-            if req.cached_tokens < 0:
-                req.cached_tokens = 0
-                self.cache.stats.requests += 1
-                self.cache.stats.input_tokens += len(tokens)
+        acq = self.cache.acquire(
+            tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False
+        )
+        req.admission = acq  # counted once the request gets its pages (_prefill_step)
+        req.node = acq.node
+        req.pages = list(acq.device_pages)
+        req.tree_pages = len(req.pages)
+        req.kv_len = int(acq.cached_tokens)
+        if req.cached_tokens < 0:
+            req.cached_tokens = req.kv_len
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
         """Pages to keep free for the decode growth of `reqs`: their remaining max_new_tokens
@@ -252,27 +184,22 @@ class Scheduler:
         one page is enough: the request then proceeds chunk by chunk."""
         ps = self.page_size
         tokens = req.tokens
-        matched = host = 0
-        if self.caching:
-            m = self.cache.match_prefix(tokens[:-1], extra_key=req.extra_key)
-            matched, host = len(m.device_pages), m.host_tokens // ps
+        m = self.cache.match_prefix(tokens[:-1], extra_key=req.extra_key)
+        matched, host = len(m.device_pages), m.host_tokens // ps
         rest = len(tokens) - matched * ps - host * ps
         need = host + math.ceil(min(rest, budget) / ps)
         need += self._decode_reserve([*self.running, *batch, req])
         free = self.runner.pool.allocator.num_free
         if free >= need:
             return True
-        avail = free
-        if self.caching:
-            evictable = self.cache.evictable_device_tokens() // ps
-            avail += max(0, evictable - matched)
+        avail = free + max(0, self.cache.evictable_device_tokens() // ps - matched)
         if avail >= need:
             return True
         return not self.running and not batch and self.chunked is None and avail >= 1
 
     def _unadmit(self, req: Req) -> None:
         """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
-        if self.caching and req.node is not None:
+        if req.node is not None:
             self.cache.release(req.node)
         req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
 
@@ -317,7 +244,7 @@ class Scheduler:
             for req in self._ordered_waiting():
                 if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
                     break
-                if self.caching and not self.cache.prefetch_ready(req.rid):
+                if not self.cache.prefetch_ready(req.rid):
                     continue
                 if not self._room_for(req, budget, [r for r, _ in batch]):
                     if batch or self.running or self.chunked is not None:
@@ -340,8 +267,8 @@ class Scheduler:
                         self._abort_unfittable(req)
                         continue
                     break
-                if self.caching:
-                    self.cache.record_admission(req.admission, len(req.tokens))
+                assert req.admission is not None
+                self.cache.record_admission(req.admission, len(req.tokens))
                 self.waiting.remove(req)
                 batch.append((req, k))
                 budget -= k
@@ -380,8 +307,6 @@ class Scheduler:
 
     def _cache_partial(self, req: Req) -> None:
         """Hand the full pages of a partly prefilled prompt to the tree and pin them."""
-        if not self.caching:
-            return
         full = req.kv_len // self.page_size
         if full <= req.tree_pages:
             return
@@ -472,22 +397,18 @@ class Scheduler:
         """Insert the first `n_tokens` of `req` (their K/V computed) and give back everything
         else the request holds."""
         ps = self.page_size
-        if self.caching:
-            full = min(n_tokens, req.kv_len) // ps
-            if full > 0:
-                self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
-            own = req.pages[max(full, req.tree_pages) :]
-            if own:
-                self.cache.free_device(own)
-            if req.node is not None:
-                self.cache.release(req.node)
-        elif req.pages:
-            self.cache.free_device(req.pages)
+        full = min(n_tokens, req.kv_len) // ps
+        if full > 0:
+            self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
+        own = req.pages[max(full, req.tree_pages) :]
+        if own:
+            self.cache.free_device(own)
+        if req.node is not None:
+            self.cache.release(req.node)
         req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
 
     def _wait_transfers(self) -> None:
-        if self.caching:
-            self.cache.flush(timeout=60)
+        self.cache.flush(timeout=60)
 
     def _retract_one(self, exclude: Req | None = None) -> None:
         cands = [r for r in self.running if r is not exclude]
@@ -512,15 +433,14 @@ class Scheduler:
         )
         logger.warning("aborting %s: %s", req.rid, msg)
         self._release_pages(req, 0)
-        if self.caching:
-            self.cache.cancel_prefetch(req.rid)
+        self.cache.cancel_prefetch(req.rid)
         self._finish(req, {"type": "abort", "message": msg}, compute_tail=False)
 
     def _fill_tail(self, req: Req) -> int:
         """K/V of the last output token (never fed back) so that the full pages of
         prompt + output can be cached, as `simulate_request` assumes. Returns tokens with K/V."""
         total = len(req.tokens)
-        if not self.caching or req.kv_len != total - 1 or total % self.page_size != 0:
+        if req.kv_len != total - 1 or total % self.page_size != 0:
             return req.kv_len
         if self._grow(req, 1) == 0:
             return req.kv_len

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hicache.controller import BackupOp, Op, WriteOp
 from hicache.emit import StoredRun
+from hicache.staging import trim
 
 if TYPE_CHECKING:
     from hicache.owner import CacheOwner
@@ -75,10 +76,18 @@ class Acks:
             st.storage_backup_bytes += op.nbytes
             st.storage_backup_seconds += op.seconds
             self._storage_events(op)
-            if op.node is not None:
-                c.unpinned(c.tree.dec_host_ref(op.node))
-            else:
+            if op.node is None:
                 c.host_alloc.free(c.host_inflight.pop(id(op)))
+                return
+            c.unpinned(c.tree.dec_host_ref(op.node))
+            if op.node.removed:
+                return
+            covered = self._covered(op)
+            if not op.failed and op.error is None:
+                for x in covered:
+                    x.stored = True
+            if c.config.host_memory_mode == "buffer_only":
+                trim(c, covered)
         else:
             self.prefetcher.acked(op)
 
@@ -96,10 +105,9 @@ class Acks:
             run = self._run_of(op)
         ev.stored_run(run, "storage")
 
-    def _run_of(self, op: BackupOp) -> StoredRun:
-        """The pages of a backup of a node still in the tree: the node, and the upper parts it
-        was split into since (its ancestors), up to `len(op.keys)` pages."""
-        ev = self.c.events
+    def _covered(self, op: BackupOp) -> list[TreeNode]:
+        """The nodes a backup of a node still in the tree covers, deepest first: the node, and
+        the upper parts it was split into since (its ancestors), up to `len(op.keys)` pages."""
         nodes: list[TreeNode] = []
         pages = 0
         for x in self.c.tree.path(op.node):  # type: ignore[arg-type]
@@ -107,6 +115,11 @@ class Acks:
             pages += x.num_pages
             if pages >= len(op.keys):
                 break
+        return nodes
+
+    def _run_of(self, op: BackupOp) -> StoredRun:
+        ev = self.c.events
+        nodes = self._covered(op)
         nodes.reverse()
         top = ev.run(nodes[0])
         hashes = tuple(h for x in nodes for h in ev.hashes(x))

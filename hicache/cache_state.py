@@ -96,6 +96,10 @@ class CacheState:
                 self.storage = self._make_backend(config.storage_backend, config.storage_extra_config)
             if self.storage is not None and self.host_pool is None:
                 raise ConfigError("a storage backend needs a host tier to stage pages")
+        if config.host_memory_mode == "buffer_only" and (
+            self.storage is None and self.sim_storage is None or self.host_alloc.num_pages == 0
+        ):
+            raise ConfigError("host_memory_mode buffer_only needs a host tier and a storage tier")
         if len(self.namespace) != 32:
             raise ConfigError("namespace must be a 32-byte seed (hicache.keys.namespace_seed)")
         self.tree = RadixTree(ps)
@@ -160,14 +164,14 @@ class CacheState:
 
     # -- tier changes (every one reported to the event sink) ---------------------------------
 
-    def _set_device(self, node: TreeNode, pages: list[int] | None) -> None:
+    def set_device(self, node: TreeNode, pages: list[int] | None) -> None:
         if pages is None and node.value is not None:
             self.events.removed(node, "device")
         self.tree.set_value(node, pages)
         if pages is not None:
             self.events.stored(node, "device")
 
-    def _set_host(self, node: TreeNode, pages: list[int] | None) -> None:
+    def set_host(self, node: TreeNode, pages: list[int] | None) -> None:
         if pages is None and node.host_value is not None:
             self.events.removed(node, "host")
         node.host_value = pages

@@ -12,6 +12,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("direct", "kernel")
+HOST_MEMORY_MODES = ("full", "buffer_only")
 
 # NOTE: SGLang defaults to page_size=1, which with an L3 backend means one storage key per token.
 # We default to 32 tokens a page: one record per page keeps per-key overhead (a file, a Redis key,
@@ -27,6 +28,10 @@ class HiCacheConfig:
     # Host pool size: `host_size_gb` when > 0, else `host_ratio` x the device pool.
     host_ratio: float = 2.0
     host_size_gb: float = 0.0
+    # full: host memory is a cache tier (L2). buffer_only: it only stages pages between the device
+    # and L3 (SGLang's --hicache-host-memory-mode); a host copy is dropped once its pages are in
+    # L3 (backup acked) or on the device (loaded back). Needs a storage tier.
+    host_memory_mode: str = "full"
     write_policy: str = "write_through"
     # write_through_selective: a node is backed up once this many requests have matched it.
     write_through_threshold: int = 2
@@ -35,7 +40,10 @@ class HiCacheConfig:
     # L3: a backend name from the registry (None = no storage tier) and its extra config.
     storage_backend: str | None = None
     storage_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    # best_effort: take what has arrived when the scheduler reaches the request; wait_complete;
+    # timeout (the default): wait at most the budget below. With best_effort a request reaching
+    # an idle engine is admitted before its prefetch has read anything.
+    prefetch_policy: str = "timeout"
     # A storage prefetch shorter than this many tokens is not started.
     prefetch_threshold: int = 256
     # Pending prefetches hold at most this share of the host pool (SGLang: about half).
@@ -64,6 +72,11 @@ class HiCacheConfig:
         check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         check(self.host_ratio > 0, f"host_ratio must be > 0, got {self.host_ratio}")
         check(self.host_size_gb >= 0, f"host_size_gb must be >= 0, got {self.host_size_gb}")
+        check(
+            self.host_memory_mode in HOST_MEMORY_MODES,
+            f"unknown host_memory_mode {self.host_memory_mode!r}; "
+            f"known: {', '.join(HOST_MEMORY_MODES)}",
+        )
         check(
             self.write_policy in WRITE_POLICIES,
             f"unknown write_policy {self.write_policy!r}; known: {', '.join(WRITE_POLICIES)}",

@@ -18,37 +18,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from hicache.cache_state import CacheState
 from hicache.controller import WriteOp
+from hicache.prefix_cache import Acquired, InsertResult, MatchResult
 from hicache.radix import Tokens, TreeNode, common_pages
+from hicache.staging import trim
 
 logger = logging.getLogger(__name__)
 
-
-class MatchResult(NamedTuple):
-    device_pages: list[int]  # device pages of the cached prefix; valid only while locked
-    device_tokens: int  # leading tokens on the device
-    host_tokens: int  # tokens after those, cached in host memory only
-    last_device_node: TreeNode  # deepest node holding matched device pages (may end past them)
-    last_host_node: TreeNode  # deepest matched node, on device or host (root when nothing)
-
-
-class Acquired(NamedTuple):
-    device_pages: list[int]  # pages of the cached prefix, on the device, locked
-    cached_tokens: int  # len(device_pages) * page_size
-    node: TreeNode  # locked; give it back with release(node)
-    device_hit_tokens: int  # already on the device
-    host_hit_tokens: int  # loaded back from host memory
-    storage_hit_tokens: int  # prefetched from L3 for this request, then loaded back
-
-
-class InsertResult(NamedTuple):
-    device_pages: list[int]  # the tree's pages for the inserted full pages: use these from now on
-    duplicate_pages: list[int]  # caller pages that duplicated the tree's; already freed
-    node: TreeNode  # deepest node of the inserted sequence (not locked)
-    new_tokens: int  # tokens the tree took pages for (new nodes and re-attached host nodes)
+__all__ = ["Acquired", "HiRadixCache", "InsertResult", "MatchResult"]
 
 
 class HiRadixCache(CacheState):
@@ -162,6 +141,8 @@ class HiRadixCache(CacheState):
                         if x.host_value is None:
                             self._write_backup(x)
                         break
+        if host_nodes and cfg.host_memory_mode == "buffer_only":
+            trim(self, host_nodes[::-1])  # staged pages: on the device now, or not used
         storage_hit = min(from_storage, loaded)
         host_hit = loaded - storage_hit
         pages: list[int] = []
@@ -188,7 +169,7 @@ class HiRadixCache(CacheState):
         off = 0
         for x in host_nodes:
             k = len(x.host_value)  # type: ignore[arg-type]
-            self._set_device(x, dev[off : off + k])
+            self.set_device(x, dev[off : off + k])
             off += k
         self.counters.load_back_tokens += n * self.page_size
         self.device_candidates.push(host_nodes[-1])
@@ -262,7 +243,7 @@ class HiRadixCache(CacheState):
             child = node.children.get(t[i * ps : (i + 1) * ps])
             if child is None:
                 child = self.tree.new_child(node, t[i * ps : n_pages * ps])
-                self._set_device(child, pages[i:])
+                self.set_device(child, pages[i:])
                 child.priority = priority
                 child.hit_count = 1  # the request that computed it is its first use (SGLang)
                 new_tokens += (n_pages - i) * ps
@@ -274,7 +255,7 @@ class HiRadixCache(CacheState):
                 child = self.tree.split(child, m)
             if child.value is None:
                 # Re-attach: the caller recomputed these pages.
-                self._set_device(child, pages[i : i + m])
+                self.set_device(child, pages[i : i + m])
                 new_tokens += m * ps
             else:
                 dups.extend(p for p, q in zip(pages[i : i + m], child.value) if p != q)
@@ -299,7 +280,7 @@ class HiRadixCache(CacheState):
     def _write_backup(self, node: TreeNode) -> bool:
         """Start device -> host copies for `node` and every ancestor lacking a host copy, so
         host copies stay prefix-closed. All or nothing; False when host memory is short."""
-        chain = [x for x in self.tree.path(node) if x.host_value is None]
+        chain = [x for x in self.tree.path(node) if x.host_value is None and not x.stored]
         if not chain:
             return True
         chain.reverse()
@@ -311,7 +292,7 @@ class HiRadixCache(CacheState):
         off = 0
         for x in chain:
             k = len(x.value)  # type: ignore[arg-type]
-            self._set_host(x, host[off : off + k])
+            self.set_host(x, host[off : off + k])
             off += k
             keys = self.storage_keys(x) if self.has_storage else []
             self.tree.inc_lock(x)  # the device copy must stay until the host copy is written
@@ -351,6 +332,8 @@ class HiRadixCache(CacheState):
         k = len(node.value)
         if node.host_value is None:
             keep = self.config.write_policy == "write_back" or bool(node.children)
+            if node.stored and self.config.host_memory_mode == "buffer_only":
+                keep = False  # its pages are in L3: no need to stage them again
             if not (keep and self.host_enabled and self._backup_now(node)):
                 if node.host_ref > 0:
                     return 0  # the node or a descendant is host-pinned; try later
@@ -359,14 +342,14 @@ class HiRadixCache(CacheState):
                     return k * ps
                 parent = node.parent
                 self.device_alloc.free(node.value)
-                self._set_device(node, None)
+                self.set_device(node, None)
                 self.tree.remove_leaf(node)
                 self.counters.evicted_tokens += k * ps
                 assert parent is not None
                 self.touch(parent)
                 return k * ps
         self.device_alloc.free(node.value)
-        self._set_device(node, None)
+        self.set_device(node, None)
         self.counters.evicted_tokens += k * ps
         self.host_candidates.push(node)
         if node.parent is not None:
@@ -382,9 +365,10 @@ class HiRadixCache(CacheState):
             self.counters.backup_skipped_tokens += k * self.page_size
             return False
         self.controller.write_now(node.value, host)
-        self._set_host(node, host)
+        self.set_host(node, host)
         self.counters.backup_tokens += k * self.page_size
-        if self.config.write_policy != "write_back" and self.has_storage:
+        buffer = self.config.host_memory_mode == "buffer_only"
+        if (buffer or self.config.write_policy != "write_back") and self.has_storage:
             self.acks.backup(node, list(host), self.storage_keys(node))
         return True
 
@@ -401,11 +385,11 @@ class HiRadixCache(CacheState):
             if x.value is not None:
                 self.device_alloc.free(x.value)
                 self.counters.evicted_tokens += len(x.value) * ps
-                self._set_device(x, None)
+                self.set_device(x, None)
             if x.host_value is not None:
                 self.host_alloc.free(x.host_value)
                 self.counters.evicted_host_tokens += len(x.host_value) * ps
-                self._set_host(x, None)
+                self.set_host(x, None)
             parent = x.parent
             self.tree.remove_leaf(x)
             if x is node and parent is not None:
@@ -437,7 +421,7 @@ class HiRadixCache(CacheState):
             parent = node.parent
             if write:
                 self.acks.backup_detached(node, host, keys)
-            self._set_host(node, None)
+            self.set_host(node, None)
             self.tree.remove_leaf(node)
             if not write:
                 self.host_alloc.free(host)

@@ -37,6 +37,10 @@ class CacheOwner(Protocol):
     @property
     def has_storage(self) -> bool: ...
 
+    def set_host(self, node: TreeNode, pages: list[int] | None) -> None:
+        """Set or clear `node`'s host copy (reported to the event sink)."""
+        ...
+
     def alloc_host(self, n: int) -> list[int] | None:
         """`n` host pages, evicting host copies as needed; None when impossible."""
         ...

@@ -216,12 +216,14 @@ class Prefetcher:
                 child = c.tree.new_child(node, t[lo : (base + take) * ps])
                 child.host_value = op.host_pages[j:take]
                 child.page_keys = [bytes.fromhex(k) for k in op.keys[j:take]]
+                child.stored = True
                 c.events.stored(child, "host")
                 c.host_candidates.push(child)
                 return (take - j) * ps, dups
             m = common_pages(child.key, t[lo : (base + take) * ps], ps)
             if m < child.num_pages:
                 child = c.tree.split(child, m)
+            child.stored = True
             if child.host_value is None:
                 child.host_value = op.host_pages[j : j + m]  # a device-only node gains a copy
                 c.events.stored(child, "host")

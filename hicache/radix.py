@@ -26,6 +26,8 @@ class TreeNode:
       count is at least the sum of its children's.
     - `host_ref`: pins the host copy while a transfer reads it; also path-wide.
     - `hit_count`, `last_access` (logical clock), `created`, `priority`: eviction inputs.
+    - `stored`: the pages are known to be in L3 (this cache's backup of them was acked, or they
+      were read from it); used to skip re-staging them through host memory.
     """
 
     __slots__ = (
@@ -45,6 +47,7 @@ class TreeNode:
         "removed",
         "extra_key",
         "device_children",
+        "stored",
     )
 
     def __init__(self, node_id: int, key: Tokens, parent: TreeNode | None, tick: int) -> None:
@@ -63,6 +66,7 @@ class TreeNode:
         self.priority = 0
         self.removed = False
         self.device_children = 0  # children with a device copy (kept by RadixTree.set_value)
+        self.stored = False  # pages known to be in L3 (a backup acked, or read from it)
         self.extra_key: str | None = parent.extra_key if parent is not None else None
 
     @property
@@ -192,6 +196,7 @@ class RadixTree:
         upper.priority = node.priority
         upper.lock_ref = node.lock_ref
         upper.host_ref = node.host_ref
+        upper.stored = node.stored
         if node.value is not None:
             upper.value, node.value = node.value[:n_pages], node.value[n_pages:]
             upper.device_children = 1  # `node`, its only child; the parent's count is unchanged

@@ -14,7 +14,7 @@ def test_defaults_follow_sglang() -> None:
     assert a.page_size == DEFAULT_PAGE_SIZE
     assert (a.hicache_ratio, a.hicache_size, a.hicache_write_policy) == (2.0, 0.0, "write_through")
     assert (a.hicache_io_backend, a.hicache_mem_layout) == ("direct", "layer_first")
-    assert a.hicache_storage_prefetch_policy == "best_effort"
+    assert a.hicache_storage_prefetch_policy == "timeout"
     assert (a.radix_eviction_policy, a.schedule_policy) == ("lru", "fcfs")
     assert not a.enable_hierarchical_cache and not a.disable_radix_cache
 

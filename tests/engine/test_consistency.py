@@ -150,3 +150,27 @@ def test_host_layouts(
         st = e.cache_stats()
     assert out == reference
     assert st["host_hit_tokens"] > 0 and st["storage_hit_tokens"] > 0
+
+
+def test_host_memory_as_a_buffer_only(
+    tiny_model: Path, sessions: Any, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """buffer_only: host memory stages pages to and from L3 and caches none; outputs equal."""
+    with Engine(
+        model_path=str(tiny_model),
+        enable_hierarchical_cache=True,
+        hicache_host_memory_mode="buffer_only",
+        hicache_synchronous=True,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
+                                              "prefetch_threshold": 8},
+        **BASE,
+    ) as e:
+        out = run_sessions(e, sessions)
+        _check_idle(e)
+        st = e.cache_stats()
+    assert out == reference
+    assert st["host_hit_tokens"] == 0 and st["storage_hit_tokens"] > 0
+    assert st["usage"]["host_cached_tokens"] == 0
+    assert st["usage"]["host_pages_free"] == st["usage"]["host_pages_total"]

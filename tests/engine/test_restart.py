@@ -48,3 +48,30 @@ def test_restart_serves_prefix_from_storage(tiny_model: Path, tmp_path: Path) ->
     assert stats["device_hit_tokens"] == stats["host_hit_tokens"] == 0
     assert got["meta_info"]["cached_tokens"] == history_pages * 4
     assert stats["storage"]["get_hits"] >= history_pages
+
+
+def test_default_engine_on_a_populated_store_serves_from_l3(tiny_model: Path,
+                                                            tmp_path: Path) -> None:
+    """Default settings (prefetch policy `timeout`, page size 32, threshold 256): the first
+    request of a restarted engine is served from L3, not recomputed (issue 12)."""
+    store = tmp_path / "pages"
+    args = {"model_path": str(tiny_model), "enable_hierarchical_cache": True,
+            "hicache_storage_backend": "file",
+            "hicache_storage_backend_extra_config": {"path": str(store)}}
+    prompt = [5 + (i * 37) % 900 for i in range(600)]
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    with Engine(**args) as first:
+        first.generate(input_ids=prompt, sampling_params=params)
+        first.wait_transfers(timeout=60)
+        assert first.cache_stats()["storage_backup_pages"] == 608 // 32
+    follow_up = prompt + [11, 12, 13, 14, 15, 16, 17]
+    with Engine(model_path=str(tiny_model), disable_radix_cache=True) as ref_engine:
+        expected = ref_engine.generate(input_ids=follow_up, sampling_params=params)[0]
+    with Engine(**args) as second:
+        assert second.args.hicache_storage_prefetch_policy == "timeout"
+        got = second.generate(input_ids=follow_up, sampling_params=params)[0]
+        stats = second.cache_stats()
+    assert got["output_ids"] == expected["output_ids"]
+    # The 18 full pages of the prompt the lookup covers (606 tokens) come from L3.
+    assert stats["storage_hit_tokens"] == got["meta_info"]["cached_tokens"] == 18 * 32
+    assert stats["device_hit_tokens"] == stats["host_hit_tokens"] == 0

@@ -99,3 +99,15 @@ def test_threaded_tensor_sequences(write_policy, prefetch_policy, ops):
         run_ops(cache, ops, 4)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=40))
+def test_simulated_buffer_only_sequences(page_size, write_policy, ops):
+    cache = sim_cache(page_size=page_size, device_pages=12, host_pages=10, storage_pages=20,
+                      write_policy=write_policy, host_memory_mode="buffer_only")
+    run_ops(cache, ops, page_size)
+    # Nothing is cached in host memory once every transfer is done.
+    assert [n for n in cache.tree.nodes() if n.host_value is not None] == []

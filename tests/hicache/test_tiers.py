@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hicache.errors import ConfigError
 from tests.hicache.factories import run_request, sim_cache
@@ -107,6 +108,26 @@ def test_load_back_is_all_or_nothing():
     assert (acq.cached_tokens, acq.host_hit_tokens) == (8, 8)
     c.release(acq.node)
     c.check_integrity(0)
+
+
+def test_load_back_copies_the_host_kv_to_the_device():
+    """Real pools: the KV a request loads back is the KV that was computed, byte for byte,
+    after the device pool was overwritten."""
+    from tests.hicache.factories import tensor_cache
+
+    c = tensor_cache(page_size=4, device_pages=8, host_pages=16, storage=False, synchronous=True)
+    tokens = list(range(40, 56))  # 4 pages
+    pages, _ = run_request(c, tokens, fill=True)
+    pool = c.device_pool
+    computed = pool.kv[:, :, pool.slots(pages)].clone()
+    assert c.evict(16) == 16  # host only now
+    pool.kv.fill_(7.0)  # whatever the device pages held is gone
+    acq = c.acquire(tokens + [0])
+    assert (acq.cached_tokens, acq.host_hit_tokens) == (16, 16)
+    assert torch.equal(pool.kv[:, :, pool.slots(acq.device_pages)], computed)
+    c.release(acq.node)
+    c.check_integrity(0)
+    c.close()
 
 
 def test_load_back_threshold_skips_short_host_hits():

@@ -256,8 +256,6 @@ def test_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_bad_options_exit_2(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(small), "--block-size", "16", "--eviction-policy", "nope"]) == 2
     assert "unknown eviction policy 'nope'" in capsys.readouterr().err
-    assert main([str(small), "--block-size", "16", "--storage", "unbounded"]) == 2
-    assert "needs a host tier" in capsys.readouterr().err
     assert main([str(small), "--block-size", "16", "--page-size", "5"]) == 2
     assert "must divide" in capsys.readouterr().err
 

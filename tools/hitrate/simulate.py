@@ -97,17 +97,15 @@ def build_cache(tiers: TierConfig, unbounded_pages: int, *, page_ids: bool = Fal
         prefetch, load_back = -(-prefetch // ps), -(-load_back // ps)
     kwargs["prefetch_threshold"] = prefetch
     kwargs["load_back_threshold"] = load_back
-    config = HiCacheConfig(**kwargs)
     device = tiers.device_pages if tiers.device_pages is not None else unbounded_pages
     host = tiers.host_pages if tiers.host_pages is not None else unbounded_pages
     storage = None
     if tiers.storage_pages is None or tiers.storage_pages > 0:
-        if not host:
-            raise ConfigError(
-                "a storage tier needs a host tier (--host): L3 pages reach the "
-                "device through host memory"
-            )
+        if not host:  # no L2 cache: host memory only stages pages to and from L3
+            kwargs["host_memory_mode"] = "buffer_only"
+            host = 2 * device
         storage = SimStorage(capacity_pages=tiers.storage_pages)
+    config = HiCacheConfig(**kwargs)
     if device < 1:
         raise ConfigError("the device tier needs at least one page")
     return HiRadixCache(config, num_device_pages=device, num_host_pages=host, sim_storage=storage)

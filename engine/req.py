@@ -1,0 +1,47 @@
+"""`Req`: one request's state in the scheduler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.detokenizer import TextStream
+from engine.sampling import SamplingParams
+from hicache.prefix_cache import Acquired
+from hicache.radix import TreeNode
+
+FinishReason = dict[str, Any]
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    extra_key: str | None = None
+    arrival: float = field(default_factory=time.time)
+    output: list[int] = field(default_factory=list)
+    kv_len: int = 0  # leading tokens whose K/V is in `pages`
+    pages: list[int] = field(default_factory=list)  # page table
+    tree_pages: int = 0  # leading pages owned by the tree (pinned by `node`)
+    node: TreeNode | None = None  # locked tree node (None: nothing locked)
+    admission: Acquired | None = None  # the cache's answer at the latest admission
+    cached_tokens: int = -1  # prompt tokens served by the cache at first admission
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    text: str = ""  # the output text, cut at a stop string (set when the request finishes)
+    detok: TextStream | None = None  # incremental detokenizer and stop strings (engine.detokenizer)
+    sent_tokens: int = 0  # output tokens already reported by step()
+    first_token_time: float | None = None
+    retractions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
