@@ -126,6 +126,8 @@ class EngineArgs:
     enable_metrics: bool = False
     # Require this key as a Bearer token on every HTTP request (None = open).
     api_key: str | None = None
+    # Ignore unknown fields in request bodies instead of refusing them with a 400.
+    allow_unknown_fields: bool = False
     # JSON object publishing KV cache events over ZeroMQ, as in vLLM/SGLang, e.g. {"publisher":
     # "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (docs/deployment.md).
     kv_events_config: str | dict[str, Any] | None = None

@@ -20,10 +20,10 @@ held back from `take()`, so a client never receives text that a later match remo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence  # noqa: F401
 
 # decode(ids, skip_special_tokens) -> str
-DecodeFn = Callable[[Sequence[int], bool], str]
+DecodeFn = Callable[[list[int], bool], str]
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -77,7 +77,7 @@ class TextStream:
 
     # ---- tokens in ----------------------------------------------------------------------------
 
-    def push(self, ids: Sequence[int], check_stop: bool = True) -> str | None:
+    def push(self, ids: list[int], check_stop: bool = True) -> str | None:
         """Account for the tokens of `ids` beyond those already seen. Returns the stop string
         that ended the text (the stream is then finished), or None. `check_stop=False` for a
         token that ends the request anyway (EOS, a stop token id): no stop string is searched."""
@@ -109,7 +109,7 @@ class TextStream:
         self._held = self._pending = ""
         self.finished = True
 
-    def _commit(self, new: str, ids: Sequence[int]) -> None:
+    def _commit(self, new: str, ids: list[int]) -> None:
         self._committed_len += len(new)
         held = self._held + new
         if self._keep:

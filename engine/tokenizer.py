@@ -41,6 +41,16 @@ class Tokenizer:
                     ids.update(int(e) for e in eos)
         return ids
 
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for (vocabulary and added
+        tokens), so that a text of C characters has at least C / max_token_chars() tokens.
+        Four times the longest token when the tokenizer normalizes text (which may drop
+        characters)."""
+        longest = max((len(t) for t in self.hf.get_vocab()), default=1)
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        normalizes = backend is None or getattr(backend, "normalizer", None) is not None
+        return max(1, longest) * (4 if normalizes else 1)
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 

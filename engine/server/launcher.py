@@ -115,8 +115,10 @@ class Launcher:
 
     async def run(self) -> int:
         from engine.demo_model import ensure_demo_model
-        from engine.server.frontend import SchedulerClient, ServerState, create_app
+        from engine.server.client import SchedulerClient
+        from engine.server.frontend import create_app
         from engine.server.metrics import ServerMetrics
+        from engine.server.state import ServerState
         from engine.tokenizer import Tokenizer
 
         args = self.args
@@ -146,6 +148,7 @@ class Launcher:
         )
         watch_task = asyncio.create_task(self._watch(client))
         code = 0
+        state: ServerState | None = None
         try:
             tokenizer = await asyncio.to_thread(
                 Tokenizer, args.tokenizer_path or model_dir
@@ -198,6 +201,8 @@ class Launcher:
             return code
         finally:
             listener.close()
+            if state is not None:
+                state.close()
             await self._stop_scheduler(client)
             watch_task.cancel()
             recv_task.cancel()

@@ -73,6 +73,9 @@ class ReqOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Output text released since the previous ReqOut of this request (the scheduler owns
+    # detokenization and stop strings: text that may start a stop string is held back).
+    text: str = ""
 
 
 @dataclass

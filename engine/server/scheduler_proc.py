@@ -269,6 +269,7 @@ class SchedulerProcess:
                                     prompt_tokens=int(u["meta_info"]["prompt_tokens"]),
                                     completion_tokens=int(u["meta_info"]["completion_tokens"]),
                                     cached_tokens=int(u["meta_info"]["cached_tokens"]),
+                                    text=u["text_delta"],
                                 )
                                 for u in updates
                             ]

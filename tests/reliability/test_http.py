@@ -156,7 +156,9 @@ junk = st.one_of(
                                                                  st.integers(), max_size=2),
 )
 token_ids = st.lists(st.integers(-2, 1100), min_size=0, max_size=24)
-text = st.text(max_size=48)
+# Text, sometimes with lone UTF-16 surrogates ("\ud800": not valid Unicode, once a 500).
+text = st.text(max_size=48) | st.text(
+    st.characters(categories=["Cs"]) | st.characters(codec="ascii"), min_size=1, max_size=8)
 
 
 def fields_of(draw: st.DrawFn, good: dict[str, st.SearchStrategy[Any]],
@@ -322,6 +324,42 @@ def test_generated_requests_get_2xx_or_4xx(server: Server) -> None:
     assert counts.get(200, 0) > 20 and sum(v for k, v in counts.items() if k >= 400) > 20, counts
     s = server.stats()
     assert s["storage_backend"] == "hicache"
+    assert server.proc.alive()
+
+
+SURROGATE_CASES: list[tuple[str, str, str]] = [
+    # (path, body with \ud800 written as JSON escapes, the field the error names)
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt.1"),
+    ("/v1/completions", '{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 1}', "stop.0"),
+    ("/v1/completions", '{"prompt": "a", "cache_salt": "\\ud800", "max_tokens": 1}',
+     "cache_salt"),
+    ("/v1/completions", '{"prompt": "a", "user": "\\udbff", "max_tokens": 1}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\ud800", "content": "x"}]}',
+     "messages.0.role"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    ("/generate", '{"text": "\\ud800", "sampling_params": {"max_new_tokens": 1}}', "text"),
+    ("/generate", '{"text": "a", "rid": "\\ud800", "sampling_params": {"max_new_tokens": 1}}',
+     "rid"),
+    ("/generate", '{"text": "a", "extra_key": "\\ud800"}', "extra_key"),
+    ("/generate", '{"text": "a", "sampling_params": {"stop": "x\\ud800"}}',
+     "sampling_params.stop"),
+    ("/generate", '{"text": "a", "\\ud800": 1}', "'\\ud800'"),
+]
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server: Server) -> None:
+    with server.client() as c:
+        for path, raw, param in SURROGATE_CASES:
+            r = c.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (path, raw, r.text)
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == (param, "invalid_string"), (raw, err)
+            assert "surrogate" in err["message"]
     assert server.proc.alive()
 
 

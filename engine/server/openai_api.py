@@ -1,0 +1,203 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+`n` > 1 computes each prompt once (`prefill_prompts`), then samples n choices that share its
+pages; choices are numbered prompt-major (`index = prompt * n + sample`), streamed chunks carry
+their choice's `index`, and usage counts each prompt once and every choice's completion.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.generation import (
+    Generation,
+    Update,
+    check_aborted,
+    finish_reason_str,
+    merged,
+    prefill_prompts,
+    results_or_abort,
+    sse_response,
+    start_all,
+    usage,
+)
+from engine.server.schemas import ApiError, ChatBody, ChatMessage, CompletionBody, bad
+from engine.server.state import ServerState
+
+# (token ids, sampling params, param name) of each prompt of a request.
+Prepared = list[tuple[list[int], dict[str, Any]]]
+
+
+def _params(state: ServerState, body: CompletionBody | ChatBody, prompt_len: int,
+            max_tokens: int | None) -> dict[str, Any]:
+    state.check_n(body.n)
+    return state.sampling(
+        max_tokens=max_tokens, param="max_tokens", prompt_len=prompt_len,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
+        stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def _chat_text(msg: ChatMessage, i: int) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise bad(f"only text content parts are supported (got {part.type!r})",
+                      f"messages.{i}.content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepared, list[str]]:
+    """Each prompt's ids and params, and the text echoed in front of its choices."""
+    p = body.prompt
+    prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts:
+        raise bad("the prompt is empty", "prompt")
+    out = []
+    for i, pr in enumerate(prompts):
+        ids = state.tokenize(pr, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+        out.append((ids, _params(state, body, len(ids), body.max_tokens)))
+    return out, [state.decode(ids) if body.echo else "" for ids, _ in out]
+
+
+def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
+    if not body.messages:
+        raise bad("messages must not be empty", "messages")
+    msgs = [{"role": m.role, "content": _chat_text(m, i)} for i, m in enumerate(body.messages)]
+    ids = state.chat_ids(msgs)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    return [(ids, _params(state, body, len(ids), max_tokens))]
+
+
+async def _launch(state: ServerState, prepared: Prepared, n: int,
+                  salt: str | None) -> tuple[list[Generation], list[int]]:
+    """Start n generations per prompt (after computing each prompt once when n > 1). Returns
+    them and, per prompt, the tokens that were cached before this request."""
+    cached: list[int] | None = None
+    if n > 1:
+        cached = await prefill_prompts(state, [(ids, salt) for ids, _ in prepared])
+    gens: list[Generation] = []
+    for i, (ids, params) in enumerate(prepared):
+        gens += state.samples(ids, params, salt, n, i * n)
+    await start_all(gens)
+    return gens, cached if cached is not None else [-1] * len(prepared)
+
+
+def _usage(prepared: Prepared, n: int, finals: list[Update], cached: list[int]) -> dict[str, Any]:
+    """Each prompt counted once; cached tokens: the hits before this request (n > 1), else what
+    the scheduler reported."""
+    prompt = sum(len(ids) for ids, _ in prepared)
+    completion = sum(u.completion_tokens for u in finals)
+    hits = sum(c if c >= 0 else finals[i * n].cached_tokens for i, c in enumerate(cached))
+    return usage(prompt, completion, hits)
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    name = state.model_name
+
+    def model_card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "hicache",
+                "root": state.info.model_path, "parent": None,
+                "max_model_len": state.info.context_length}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{name!r}", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body, got = await state.parse(
+            request, CompletionBody, lambda b: _prepare_completion(state, b))
+        assert got is not None
+        prepared, echoes = got
+        n = body.n
+        gens, cached = await _launch(state, prepared, n, body.cache_salt)
+        cid, created = f"cmpl-{gens[0].rid}", int(time.time())
+        head = {"id": cid, "object": "text_completion", "created": created, "model": name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                started: set[int] = set()
+                finals: dict[int, Update] = {}
+                async for u in merged(gens):
+                    text = u.delta
+                    if u.index not in started:
+                        started.add(u.index)
+                        text = echoes[u.index // n] + text
+                    if text or u.finished:
+                        reason = finish_reason_str(u.finish_reason) if u.finished else None
+                        yield {**head, "choices": [{"index": u.index, "text": text,
+                                                    "logprobs": None, "finish_reason": reason}]}
+                    if u.finished:
+                        finals[u.index] = u
+                if include_usage:
+                    done = [finals[i] for i in sorted(finals)]
+                    yield {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+
+            return sse_response(events())
+        results = await results_or_abort(request, gens)
+        for u in results:
+            check_aborted(u)
+        choices = [{"index": u.index, "text": echoes[u.index // n] + u.text, "logprobs": None,
+                    "finish_reason": finish_reason_str(u.finish_reason)} for u in results]
+        return JSONResponse({**head, "choices": choices,
+                             "usage": _usage(prepared, n, results, cached)})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
+        assert prepared is not None
+        n = body.n
+        gens, cached = await _launch(state, prepared, n, body.cache_salt)
+        cid, created = f"chatcmpl-{gens[0].rid}", int(time.time())
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish}]}
+
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for g in gens:
+                    yield chunk(g.index, {"role": "assistant", "content": ""}, None)
+                finals: dict[int, Update] = {}
+                async for u in merged(gens):
+                    if u.delta:
+                        yield chunk(u.index, {"content": u.delta}, None)
+                    if u.finished:
+                        finals[u.index] = u
+                        yield chunk(u.index, {}, finish_reason_str(u.finish_reason))
+                if include_usage:
+                    done = [finals[i] for i in sorted(finals)]
+                    yield {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+
+            return sse_response(events())
+        results = await results_or_abort(request, gens)
+        for u in results:
+            check_aborted(u)
+        choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
+                    "logprobs": None, "finish_reason": finish_reason_str(u.finish_reason)}
+                   for u in results]
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                             "usage": _usage(prepared, n, results, cached)})
