@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.detokenizer import TextStream
+from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
 from hicache.prefix_cache import Acquired
 from hicache.radix import TreeNode
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 FinishReason = dict[str, Any]
 
@@ -37,6 +41,8 @@ class Req:
     sent_tokens: int = 0  # output tokens already reported by step()
     first_token_time: float | None = None
     retractions: int = 0
+    logprobs: ReqLogprobs | None = None  # logprobs asked for (engine.req_logprobs)
+    matcher: Matcher | None = None  # structured-output grammar state (engine.grammar)
 
     @property
     def tokens(self) -> list[int]:

@@ -29,7 +29,8 @@ import torch
 from engine.detokenizer import TextStream
 from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
-from engine.sampling import sample
+from engine.req_logprobs import forward_prompt_logprobs, prefill_rows, sample_reqs
+from engine.sampling import Sampler
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.decode_text = decode
         self.seed_gen = torch.Generator().manual_seed(random_seed)
+        self.sampler = Sampler(eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -97,7 +99,7 @@ class Scheduler:
         self.finished_updates = [r for r in self.finished_updates if r.rid != req.rid]
         self.waiting.append(req)
         # Storage prefetch starts now and overlaps with the queueing time.
-        self.cache.prefetch(req.rid, req.prompt[:-1], extra_key=req.extra_key)
+        self.cache.prefetch(req.rid, req.prompt[: self._match_len(req)], extra_key=req.extra_key)
 
     def abort(self, rid: str) -> bool:
         """Abort a request now, idle or not: it leaves the queues, its pages and locks are given
@@ -146,18 +148,26 @@ class Scheduler:
         reqs = list(self.waiting)
         if self.policy == "lpm" and len(reqs) <= 256:
             def hit(r: Req) -> int:
-                m = self.cache.match_prefix(r.tokens[:-1], extra_key=r.extra_key)
+                m = self.cache.match_prefix(r.tokens[: self._match_len(r)], extra_key=r.extra_key)
                 return int(m.device_tokens + m.host_tokens)
 
             # Stable: equal matches keep arrival order. Retracted requests stay first.
             reqs.sort(key=lambda r: (r.retractions == 0, -hit(r)))
         return reqs
 
+    @staticmethod
+    def _match_len(req: Req) -> int:
+        """Leading tokens of `req` the cache may serve: all but the last (its logits are
+        needed), fewer while prompt logprobs are pending (engine.req_logprobs)."""
+        n = len(req.prompt) + len(req.output) - 1
+        return req.logprobs.cache_limit(n) if req.logprobs is not None else n
+
     def _admit(self, req: Req) -> None:
         """Lock the cached prefix of `req` and take its pages as the head of the page table."""
         tokens = req.tokens
         acq = self.cache.acquire(
-            tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False
+            tokens[: self._match_len(req)], extra_key=req.extra_key, request_id=req.rid,
+            count=False,
         )
         req.admission = acq  # counted once the request gets its pages (_prefill_step)
         req.node = acq.node
@@ -184,7 +194,7 @@ class Scheduler:
         one page is enough: the request then proceeds chunk by chunk."""
         ps = self.page_size
         tokens = req.tokens
-        m = self.cache.match_prefix(tokens[:-1], extra_key=req.extra_key)
+        m = self.cache.match_prefix(tokens[: self._match_len(req)], extra_key=req.extra_key)
         matched, host = len(m.device_pages), m.host_tokens // ps
         rest = len(tokens) - matched * ps - host * ps
         need = host + math.ceil(min(rest, budget) / ps)
@@ -279,7 +289,11 @@ class Scheduler:
         seqs = []
         for req, k in batch:
             seqs.append((req.tokens[req.kv_len : req.kv_len + k], req.kv_len, req.pages))
-        logits = self.runner.forward(seqs)
+        plan = prefill_rows([(r.logprobs, r.kv_len, k) for r, k in batch])
+        if plan is None:
+            logits = self.runner.forward(seqs)
+        else:  # prompt logprobs: logits of the prompt rows asked for too
+            logits = forward_prompt_logprobs(self.runner, seqs, batch, plan)
         self.forward_steps += 1
         done: list[tuple[int, Req]] = []
         for i, (req, k) in enumerate(batch):
@@ -289,17 +303,14 @@ class Scheduler:
                 self._cache_partial(req)
                 continue
             done.append((i, req))
+        for _, req in done:
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                updated.append(req)
+        done = [(i, r) for i, r in done if r.params.max_new_tokens > 0]
         if done:
-            toks = sample(
-                logits[[i for i, _ in done]],
-                [r.params for _, r in done],
-                [r.generator for _, r in done],
-            )
+            toks = sample_reqs(self.sampler, logits[[i for i, _ in done]], [r for _, r in done])
             for (_, req), tok in zip(done, toks):
-                if req.params.max_new_tokens == 0:
-                    self._finish(req, {"type": "length", "length": 0})
-                    updated.append(req)
-                    continue
                 self.running.append(req)
                 self._append_token(req, tok)
                 updated.append(req)
@@ -361,7 +372,7 @@ class Scheduler:
         self.forward_steps += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        toks = sample_reqs(self.sampler, logits, reqs)
         for req, tok in zip(reqs, toks):
             req.kv_len += 1
             self._append_token(req, tok)
@@ -378,7 +389,14 @@ class Scheduler:
         if req.detok is None:
             req.detok = TextStream(self.decode_text, skip_special_tokens=p.skip_special_tokens,
                                    stop=p.stop)
-        matched = req.detok.push(req.output, check_stop=reason is None)
+        # Stop strings count once min_tokens are out (EOS and stop ids: the sampler holds
+        # them back until then); a grammar that reached its end finishes the request.
+        matched = req.detok.push(
+            req.output, check_stop=reason is None and len(req.output) >= p.min_tokens
+        )
+        if reason is None and matched is None and req.matcher is not None \
+                and req.matcher.terminated:
+            reason = {"type": "stop", "matched": tok}
         if matched is not None:
             reason = {"type": "stop", "matched": matched}
         if reason is None and len(req.output) >= p.max_new_tokens:
