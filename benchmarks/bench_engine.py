@@ -16,6 +16,7 @@ Writes benchmarks/results/bench_engine[_quick].json. Compare ratios, not absolut
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import sys
@@ -51,16 +52,19 @@ def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int, seed: int =
     return out
 
 
-def timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
-    """Best of `repeats` wall times (seconds) after one warm-up call."""
+def timed(
+    fn: Callable[[], Any], sync: Callable[[], None], repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Best of `repeats` times (seconds, by `clock`) after one warm-up call."""
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="decode CUDA graphs up to this batch (CUDA + triton; 0: off)")
     p.add_argument("--prompt-tokens", type=int, default=2048, help="the long prompt")
     p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
     p.add_argument("--batch-prompt-tokens", type=int, default=256)
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: default)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="cpu: this process's CPU time (CPU device, robust on a shared machine; "
+                   "meaningful with --threads 1)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -100,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     cuda = device.type == "cuda"
+    if cuda and a.clock == "cpu":
+        p.error("--clock cpu measures CPU time; use wall on CUDA")
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
 
     def sync() -> None:
         if cuda:
@@ -118,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     ps = a.page_size
     need = max(a.prompt_tokens, a.batch_prompts * a.batch_prompt_tokens,
                max(decode_batches) * (a.decode_context + a.decode_steps + 2 * ps))
+    kw: dict[str, Any] = {}
+    if "cuda_graph_max_bs" in inspect.signature(ModelRunner).parameters:  # not before graphs
+        kw = {"cuda_graph_max_bs": a.cuda_graph_max_bs, "context_length": need}
     runner = ModelRunner(model, num_pages=need // ps + 8, page_size=ps, dtype=dtype, device=device,
-                         attention_backend=a.attention_backend)
+                         attention_backend=a.attention_backend, **kw)
     alloc = runner.pool.allocator
     results: dict[str, Any] = {}
 
@@ -132,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     def prefill_case(name: str, prompts: list[list[int]]) -> None:
         tables = [pages_for(len(x)) for x in prompts]
         seqs = [(x, 0, t) for x, t in zip(prompts, tables)]
-        ours = timed(lambda: runner.forward(seqs), sync, a.repeats)
+        ours = timed(lambda: runner.forward(seqs), sync, a.repeats, clock)
         ids = torch.tensor(prompts, device=device)
         with torch.no_grad():
-            theirs = timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), sync, a.repeats)
+            theirs = timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), sync, a.repeats, clock)
         for t in tables:
             alloc.free(t)
         tokens = sum(len(x) for x in prompts)
@@ -156,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         def gen(n: int) -> Callable[[], Any]:
             return lambda: hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                        pad_token_id=0)
-        t1 = timed(gen(1), sync, a.repeats)
-        tn = timed(gen(steps + 1), sync, a.repeats)
+        t1 = timed(gen(1), sync, a.repeats, clock)
+        tn = timed(gen(steps + 1), sync, a.repeats, clock)
     hf_ms = (tn - t1) / steps * 1e3
     for bs in decode_batches:
         prompts = [prompt(ctx) for _ in range(bs)]
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = runner.forward([([tok], ctx + s, t) for tok, t in zip(toks, tables)])
                 toks = out.argmax(-1).tolist()
 
-        ours_ms = timed(decode_run, sync, a.repeats) / steps * 1e3
+        ours_ms = timed(decode_run, sync, a.repeats, clock) / steps * 1e3
         for t in tables:
             alloc.free(t)
         ratio = (bs / ours_ms) / (1 / hf_ms)

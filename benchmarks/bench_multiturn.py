@@ -16,7 +16,8 @@ Runs, side by side on one random-weight mid-size Llama (prefill dominates on CPU
 and writes TTFT p50/p90, throughput and per-tier hit tokens, with ratios against `off` and
 `device`, to benchmarks/results/bench_multiturn.json.
 
-    python benchmarks/bench_multiturn.py [--quick] [--users 16] [--turns 6] [--out PATH]
+    python benchmarks/bench_multiturn.py [--quick] [--users 16] [--turns 6] [--dtype bfloat16]
+        [--device cuda] [--out PATH]
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-tokens", type=int, default=6144,
                    help="device KV pool (tokens); smaller than the working set")
     p.add_argument("--host-ratio", type=float, default=4.0)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights and KV dtype (auto: the engine default, float32 here)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs",
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "model_path": str(model), "page_size": a.page_size,
             "max_total_tokens": a.device_tokens, "max_running_requests": a.concurrency,
             "chunked_prefill_size": 4096, "context_length": 8192,
+            "dtype": a.dtype, "device": a.device,
         }
         hier = {"enable_hierarchical_cache": True, "hicache_ratio": a.host_ratio}
         l3 = {**hier, "hicache_storage_backend": "file",
@@ -236,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "bench_multiturn",
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads()},
+                        "torch_threads": torch.get_num_threads(),
+                        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available()
+                        and a.device != "cpu" else None},
             "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
             "working_set_tokens": working_set,
             "results": results,

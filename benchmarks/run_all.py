@@ -114,6 +114,7 @@ def sum_generic(d: dict[str, Any]) -> list[str]:
 
 SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "bench_multiturn": sum_multiturn,
+    "bench_multi_instance": sum_multiturn,  # same shape: per-config TTFT, hit rate, targets
     "bench_storage": sum_storage,
     "bench_radix": sum_radix,
 }

@@ -121,6 +121,7 @@ class CudaGraphRunner:
         self.inputs = DecodeGraphInputs(max_bs, max_pages, attn.pool.page_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # decode steps served from a graph
         self._capture(device)
 
     def _capture(self, device: torch.device) -> None:
@@ -152,4 +153,5 @@ class CudaGraphRunner:
         assert bs is not None
         self.inputs.fill(batch, bs)
         self.graphs[bs].replay()
+        self.replays += 1
         return self.outputs[bs][:n]

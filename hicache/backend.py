@@ -8,9 +8,11 @@ miss (and deleted where the backend can), never KV handed to a model.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -67,6 +69,53 @@ class Checked(NamedTuple):
 
     length: int  # the stored record's length in bytes; -1 when the key is absent
     problem: str | None  # why the record is corrupt; None when valid or absent
+
+
+_ABSENT = Checked(-1, None)
+# Records at least this long are checked off the reading thread (a thread hand-off costs tens of
+# microseconds; XXH3 checks 256 KiB in about ten).
+OFFLOAD_CHECK_BYTES = 256 << 10
+CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def check_pool() -> ThreadPoolExecutor:
+    """The process-wide threads that check records (recreated after a fork)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="hicache-check")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+class RecordChecker:
+    """Checks records while the backend goes on reading: `add` each record as soon as it is in
+    its buffer (a large one is checked on a `check_pool` thread, the GIL released), `results`
+    when the batch is read. So the check of record i overlaps the read of record i+1."""
+
+    def __init__(self, backend: StorageBackend, n: int) -> None:
+        self._backend = backend
+        self._res: list[Checked] = [_ABSENT] * n
+        self._pending: list[tuple[int, int, Future[str | None]]] = []
+
+    def add(self, i: int, key: str, length: int, buf: memoryview) -> None:
+        """Record i (`key`, stored length `length`, -1 when absent) was read into `buf`."""
+        if length < 0:
+            return
+        if length >= OFFLOAD_CHECK_BYTES and length == memoryview(buf).nbytes:
+            fut = check_pool().submit(self._backend.check_record, key, length, buf)
+            self._pending.append((i, length, fut))
+        else:
+            self._res[i] = Checked(length, self._backend.check_record(key, length, buf))
+
+    def results(self) -> list[Checked]:
+        for i, length, fut in self._pending:
+            self._res[i] = Checked(length, fut.result())
+        self._pending.clear()
+        return self._res
 
 
 class StorageBackend(ABC):
@@ -131,16 +180,18 @@ class StorageBackend(ABC):
         """Release connections and files. Idempotent."""
 
     def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
-        """Read and check each record. The default reads with `_get_into`, then checks in
-        this thread; a backend that reads in several threads overrides this to run
-        `check_record` in them, right after each read (the checksum releases the GIL)."""
+        """Read and check each record. The default reads the batch with `_get_into`, then
+        checks its large records on `check_pool` threads and the rest in this one. A backend
+        that receives records one by one overrides this to feed a `RecordChecker` as they
+        arrive; one that reads in several threads runs `check_record` in them, right after
+        each read (the checksum releases the GIL)."""
         lengths = self._get_into(keys, out)
         if len(lengths) != len(keys):
             raise AssertionError(f"{type(self).__name__}._get_into returned {len(lengths)} results")
-        return [
-            Checked(n, self.check_record(key, n, buf) if n >= 0 else None)
-            for key, n, buf in zip(keys, lengths, out)
-        ]
+        checker = RecordChecker(self, len(keys))
+        for i, (key, n, buf) in enumerate(zip(keys, lengths, out)):
+            checker.add(i, key, n, buf)
+        return checker.results()
 
     # -- provided -------------------------------------------------------------------------
 

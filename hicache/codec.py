@@ -9,9 +9,9 @@ Versions (the reader accepts both; the writer writes the newest):
 
 - 1: CRC32 (zlib) in the header's last 4 bytes, over header[:124] then the payload. ~2.5 GB/s on
   one core, holds the GIL per call.
-- 2: XXH3-64 (`xxhash`) in the header's last 8 bytes: the header's first 120 bytes are hashed
-  to a seed, the payload is hashed with that seed. ~30 GB/s on one core and the GIL is released
-  while hashing, so backends can check pages in their reading threads.
+- 2: XXH3-64 (`xxhash`, seed 0) in the header's last 8 bytes, over header[:120] then the
+  payload. ~30-60 GB/s on one core and the GIL is released while hashing, so backends can check
+  pages in their reading threads.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ def key_digest(key: str) -> bytes:
 
 
 def checksum_v2(header: memoryview | bytes, payload: memoryview | bytes) -> int:
-    """The version-2 checksum: XXH3-64 of `payload` seeded with XXH3-64 of `header[:120]`."""
-    seed = xxhash.xxh3_64_intdigest(header[:_SUM_OFFSET])
-    return xxhash.xxh3_64_intdigest(payload, seed)
+    """The version-2 checksum: XXH3-64 (seed 0) of `header[:120]` followed by `payload`, hashed
+    in place (streaming; no concatenated copy)."""
+    h = xxhash.xxh3_64()
+    h.update(header[:_SUM_OFFSET])
+    h.update(payload)
+    return h.intdigest()
 
 
 def checksum_v1(header: memoryview | bytes, payload: memoryview | bytes) -> int:

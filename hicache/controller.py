@@ -3,7 +3,8 @@
 Four kinds of movement:
 
 - device -> host *write* (write-through backup, asynchronous, acked),
-- host -> device *load* (load-back, synchronous: the request needs it before its forward),
+- host -> device *load* (load-back: issued at admission on the load stream; the forward waits
+  for it on the device, all at once or layer by layer through a `LayerDoneCounter`),
 - host -> storage *backup* (asynchronous, acked),
 - storage -> host *prefetch* (asynchronous, progress visible while it runs, acked).
 
@@ -23,20 +24,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hicache.errors import StorageCorrupt
+from hicache.costmodel import CostModel, LoadPlan
+from hicache.transfer import DONE, LayerDoneCounter
+from hicache.transfer_tensor import TensorTransfer, fetch_pipelined
 
 if TYPE_CHECKING:
-    from hicache.pools import DeviceKVPool, HostKVPool
     from hicache.radix import Tokens, TreeNode
-    from hicache.storage import PageCodec, StorageBackend
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+# A prefetch is split across reader threads only into sub-batches of at least this many pages.
+MIN_READ_PAGES = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,6 +57,8 @@ class WriteOp:
     host_pages: list[int]
     keys: list[str] = field(default_factory=list)  # L3 keys of the pages (when L3 is set)
     error: str | None = None
+    ready: Any = None  # CUDA event recorded on the compute stream at submission
+    event: Any = None  # completion of the copy (acked once it has happened)
 
 
 @dataclass(eq=False)
@@ -110,9 +116,15 @@ Op = WriteOp | BackupOp | PrefetchOp
 class Transfer(Protocol):
     """How bytes move. `TensorTransfer` for real pools; `SimTransfer` moves nothing."""
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None: ...
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
+        """Start the copy; return its completion `Event` (or None: finished). `TensorTransfer`
+        also takes `ready` (an event the copy waits for)."""
+        ...
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None: ...
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
+        """Start the copy; return a `LayerDoneCounter` (or None: finished). `TensorTransfer`
+        also takes `layerwise`."""
+        ...
 
     def exists(self, keys: Sequence[str]) -> int: ...
 
@@ -124,72 +136,7 @@ class Transfer(Protocol):
         ...
 
 
-class TensorTransfer:
-    """Moves real KV between a `DeviceKVPool`, a `HostKVPool` and a `StorageBackend`."""
-
-    def __init__(
-        self,
-        device: DeviceKVPool,
-        host: HostKVPool,
-        storage: StorageBackend | None,
-        codec: PageCodec | None,
-    ) -> None:
-        self.device = device
-        self.host = host
-        self.storage = storage
-        self.codec = codec
-        self._local = threading.local()
-
-    def _staging(self, n: int) -> list[memoryview]:
-        assert self.codec is not None
-        size = self.codec.record_bytes
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n * size:
-            buf = bytearray(n * size)
-            self._local.buf = buf
-        mv = memoryview(buf)
-        return [mv[i * size : (i + 1) * size] for i in range(n)]
-
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.host.store_from(self.device, device_pages, host_pages)
-
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.host.load_into(self.device, host_pages, device_pages)
-
-    def exists(self, keys: Sequence[str]) -> int:
-        assert self.storage is not None
-        return self.storage.batch_exists(keys)
-
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
-        assert self.storage is not None and self.codec is not None
-        views = self._staging(len(keys))
-        for key, hp, view in zip(keys, host_pages, views):
-            self.codec.encode_into(key, self.host.page_payload(hp), view)
-        ok = self.storage.batch_set(list(keys), views)
-        n_ok = sum(ok)
-        op.written += n_ok
-        op.failed += len(ok) - n_ok
-        op.nbytes += n_ok * self.codec.record_bytes
-
-    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
-        assert self.storage is not None and self.codec is not None
-        views = self._staging(len(keys))
-        ok = self.storage.batch_get(list(keys), views)
-        for key, hp, view, good in zip(keys, host_pages, views, ok):
-            if not good:
-                return False
-            try:
-                # batch_get verified the checksum; check the page format here.
-                payload = self.codec.decode(view, key, checksum=False)
-            except StorageCorrupt as e:
-                logger.warning("dropping L3 page %s: %s", key[:16], e)
-                op.corrupt += 1
-                self.storage.report_corrupt([key])
-                return False
-            self.host.set_page_payload(hp, payload)
-            op.nbytes += self.codec.record_bytes
-            op.completed += 1
-        return True
+__all__ = ["BackupOp", "PrefetchOp", "TensorTransfer", "Transfer", "TransferController", "WriteOp"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,8 +155,16 @@ class TransferController:
         batch_pages: int = 128,
         retry_backoff_s: float = 1.0,
         synchronous: bool = False,
+        readers: int = 4,
     ) -> None:
         self.transfer = transfer
+        # The transfer that moves bytes: a wrapper (the prefetch prober) exposes it as `inner`.
+        # Device <-> host copies and the fast paths go to it directly, so their completion
+        # events and options are never lost in a forwarding layer.
+        self.data: Any = getattr(transfer, "inner", transfer)
+        # Prefetch reads in flight at once (sub-batches of one request, placed in order).
+        self.readers = readers
+        self._reader_pool: ThreadPoolExecutor | None = None
         self.has_storage = has_storage
         self.batch_pages = batch_pages
         self.synchronous = synchronous
@@ -223,6 +178,12 @@ class TransferController:
         self._down_until = 0.0
         self._down = False
         self.storage_errors = 0  # read by the owner; only grows
+        # Measured tier bandwidths and prefill speed: the load-vs-recompute decision.
+        bpt = getattr(self.data, "bytes_per_token", None)
+        self.cost: CostModel | None = CostModel(bpt) if isinstance(bpt, int) else None
+        # Writes whose copy was issued and has not completed yet (CUDA): acked when it has.
+        self._inflight: list[WriteOp] = []
+        self._progress = threading.Event()  # set whenever an ack is queued
         self._queues: dict[str, queue.SimpleQueue[Op | None]] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -280,6 +241,9 @@ class TransferController:
             self._queues[kind].put(op)
 
     def submit_write(self, op: WriteOp) -> None:
+        ready = getattr(self.data, "ready_event", None)
+        if ready is not None and op.ready is None:
+            op.ready = ready()
         self._submit("write", op)
 
     def submit_backup(self, op: BackupOp) -> None:
@@ -302,6 +266,7 @@ class TransferController:
 
     def acks(self) -> list[Op]:
         """Every completed operation not yet handed out, in completion order."""
+        self._sweep_inflight(block=False)
         out: list[Op] = []
         while True:
             try:
@@ -311,8 +276,50 @@ class TransferController:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted operation has been acked (not necessarily consumed)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with self._idle:
+                if not self._idle.wait_for(
+                    lambda: self._pending == len(self._inflight), left
+                ):
+                    return False
+                if self._pending == 0:
+                    return True
+            self._sweep_inflight(block=True)
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until some operation completes (e.g. a prefetch the
+        scheduler waits for), instead of spinning on `acks()` and starving the workers of the
+        GIL. True when an ack is waiting."""
+        self._sweep_inflight(block=False)
+        if not self._acks.empty():
+            return True
+        if self._pending == 0:
+            return False
+        got = self._progress.wait(timeout)
+        self._progress.clear()
+        return got
+
+    def _sweep_inflight(self, block: bool) -> None:
+        """Ack the in-flight writes whose copy completed (all of them, waiting, if `block`)."""
+        if not self._inflight:
+            return
+        with self._pending_lock:
+            pending = list(self._inflight)
+        done: list[WriteOp] = []
+        for op in pending:
+            if block:
+                op.event.synchronize()
+            if op.event.query():
+                done.append(op)
+        if not done:
+            return
+        with self._pending_lock:
+            for op in done:
+                self._inflight.remove(op)
+        for op in done:
+            self._ack(op)
 
     @property
     def pending(self) -> int:
@@ -325,11 +332,51 @@ class TransferController:
 
     # -- synchronous movement -------------------------------------------------------------
 
-    def load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.transfer.host_to_device(host_pages, device_pages)
+    def plan_load(self, host_tokens: int, storage_tokens: int, page_size: int = 1) -> LoadPlan:
+        """How many host then storage tokens of a cached prefix to load (the rest is cheaper to
+        recompute), from what was measured so far; everything while nothing is measured."""
+        if self.cost is None:
+            return LoadPlan(host_tokens, storage_tokens, 0, 0.0, 0.0)
+        return self.cost.plan(host_tokens, storage_tokens, page_size)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The owner reports a forward's prompt tokens and wall time (feeds `plan_load`)."""
+        if self.cost is not None:
+            self.cost.observe_prefill(tokens, seconds)
+
+    def load(
+        self, host_pages: Sequence[int], device_pages: Sequence[int], layerwise: bool = False
+    ) -> LayerDoneCounter:
+        """host -> device, issued now on the load stream. Without `layerwise` the current
+        (compute) stream is made to wait for the whole load before returning (a device-side
+        wait; the host does not block). With `layerwise` the caller must call
+        `counter.wait(i)` before layer i reads the pool (`ForwardBatch.wait_layer`)."""
+        t0 = time.perf_counter()
+        if layerwise:
+            h2d: Any = self.data.host_to_device
+            ctr = h2d(host_pages, device_pages, True)
+        else:  # (the simulated transfer takes no flag)
+            ctr = self.data.host_to_device(host_pages, device_pages)
+        if ctr is None:
+            return LayerDoneCounter([DONE], 1)
+        if self.cost is not None and ctr.done() and host_pages:  # synchronous (CPU): timed here
+            nbytes = len(host_pages) * getattr(self.data, "bytes_per_token", 0)
+            self.cost.observe_load("host", nbytes * self._page_size(), time.perf_counter() - t0)
+        if not layerwise:
+            ctr.wait_all()
+        return ctr
+
+    def _page_size(self) -> int:
+        dev = getattr(self.data, "device", None)
+        return int(getattr(dev, "page_size", 1))
 
     def write_now(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.transfer.device_to_host(device_pages, host_pages)
+        """device -> host before the device pages are freed: later work on the compute stream
+        waits for the copy on the device; the host does not block."""
+        ready = getattr(self.data, "ready_event", None)
+        ev = self._d2h(device_pages, host_pages, ready() if ready is not None else None)
+        if ev is not None:
+            LayerDoneCounter([ev], 1).wait_all()
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -340,10 +387,26 @@ class TransferController:
                 return
             self._run(op)
 
+    def _d2h(self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Any) -> Any:
+        if ready is None:  # (the simulated transfer takes no event)
+            return self.data.device_to_host(device_pages, host_pages)
+        d2h: Any = self.data.device_to_host
+        return d2h(device_pages, host_pages, ready)
+
+    def _ack(self, op: Op) -> None:
+        self._acks.put(op)
+        with self._idle:
+            self._pending -= 1
+            if self._pending == len(self._inflight):
+                self._idle.notify_all()
+        self._progress.set()
+
     def _run(self, op: Op) -> None:
+        in_flight = False
         try:
             if isinstance(op, WriteOp):
-                self.transfer.device_to_host(op.device_pages, op.host_pages)
+                op.event = self._d2h(op.device_pages, op.host_pages, op.ready)
+                in_flight = op.event is not None and not op.event.query()
             elif isinstance(op, BackupOp):
                 self._run_backup(op)
             else:
@@ -354,11 +417,12 @@ class TransferController:
         finally:
             if isinstance(op, PrefetchOp):
                 op.done.set()
-            self._acks.put(op)
-            with self._idle:
-                self._pending -= 1
-                if self._pending == 0:
+            if in_flight:  # acked by the owner's poll once its event has completed
+                with self._pending_lock:
+                    self._inflight.append(op)  # type: ignore[arg-type]
                     self._idle.notify_all()
+            else:
+                self._ack(op)
 
     def _run_backup(self, op: BackupOp) -> None:
         if not self.storage_available():
@@ -382,9 +446,14 @@ class TransferController:
         if not self.storage_available():
             return
         t0 = time.perf_counter()
+        read = getattr(self.data, "read_batch", None)
         try:
             n = len(op.keys)  # prefetch() reserved host pages for the leading run present
             i = 0
+            if (read is not None and op.host_pages and not self.synchronous
+                    and self.readers > 1 and min(n, self.batch_pages) > MIN_READ_PAGES):
+                self._fetch_pipelined(op, read)
+                i = n
             while i < n and not op.stop.is_set():
                 j = min(i + self.batch_pages, n)
                 if not self.transfer.fetch(op.keys[i:j], op.host_pages[i:j], op):
@@ -395,11 +464,25 @@ class TransferController:
             self._storage_failed("read", e)
             op.error = f"{type(e).__name__}: {e}"
         op.seconds = time.perf_counter() - t0
+        if self.cost is not None and op.nbytes:
+            self.cost.observe_load("storage", op.nbytes, op.seconds)
+
+    def _fetch_pipelined(
+        self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
+    ) -> None:
+        if self._reader_pool is None:
+            self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
+        record_bytes = int(getattr(getattr(self.data, "codec", None), "record_bytes", 0))
+        per_reader = -(-len(op.keys) // self.readers)
+        sub = min(self.batch_pages, max(MIN_READ_PAGES, per_reader))
+        fetch_pipelined(op, read, self._reader_pool, self.readers, sub, record_bytes)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True)
         for q in self._queues.values():
             q.put(None)
         for t in self._threads:

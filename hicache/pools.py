@@ -15,6 +15,8 @@ import torch
 from hicache.config import MEM_LAYOUTS
 from hicache.errors import CapacityError, ConfigError
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -137,7 +139,8 @@ class HostKVPool:
     - `page_first_direct`: `[pages, 2, layers, page_size, heads, dim]` (a page is one block)
 
     A page's *payload* (what goes to L3) is its bytes in the layout's natural page order; it is
-    zero-copy for the `page_first*` layouts and a gathered copy for `layer_first`.
+    zero-copy for the `page_first*` layouts and a gathered copy for `layer_first`. Device <->
+    host copies live in `hicache.transfer.PageMover`; on CUDA the buffer is pinned.
     """
 
     def __init__(
@@ -181,6 +184,11 @@ class HostKVPool:
         self.allocator = PageAllocator(num_pages)
         self.page_nbytes = int(np.prod(self.page_shape)) * self.buffer.element_size()
         self._offsets = torch.arange(page_size)
+        # The buffer with the page axis first: `[pages, *page_shape]` (a view).
+        if layout == "layer_first":
+            self.page_major = self.buffer.view(2, L, num_pages, ps, H, D).permute(2, 0, 1, 3, 4, 5)
+        else:
+            self.page_major = self.buffer.view(num_pages, *self.page_shape)
 
     @classmethod
     def like(
@@ -210,72 +218,6 @@ class HostKVPool:
         p = torch.as_tensor(list(pages), dtype=torch.int64)
         return (p[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
 
-    # -- device <-> host ----------------------------------------------------------------
-
-    def store_from(
-        self, device: DeviceKVPool, device_pages: Sequence[int], host_pages: Sequence[int]
-    ) -> None:
-        """Copy `device_pages` of `device` into `host_pages` (same order)."""
-        if len(device_pages) != len(host_pages):
-            raise ValueError("device and host page lists differ in length")
-        if not host_pages:
-            return
-        dslots = device.slots(device_pages)
-        if self.io_backend == "kernel":  # layer by layer, as a layer-wise transfer would
-            for layer in range(self.num_layers):
-                self._store_layer(device.kv[:, layer, dslots].to("cpu"), layer, host_pages)
-            return
-        data = device.kv[:, :, dslots].to("cpu")  # [2, L, n*ps, H, D]
-        self._store_all(data, host_pages)
-
-    def _store_all(self, data: torch.Tensor, host_pages: Sequence[int]) -> None:
-        n, ps = len(host_pages), self.page_size
-        if self.layout == "layer_first":
-            self.buffer[:, :, self._slots(host_pages)] = data
-        elif self.layout == "page_first":
-            self.buffer[self._slots(host_pages)] = data.permute(2, 0, 1, 3, 4)
-        else:
-            L, H, D = self.num_layers, self.kv_heads, self.head_dim
-            idx = torch.as_tensor(list(host_pages), dtype=torch.int64)
-            self.buffer[idx] = data.view(2, L, n, ps, H, D).permute(2, 0, 1, 3, 4, 5)
-
-    def _store_layer(self, data: torch.Tensor, layer: int, host_pages: Sequence[int]) -> None:
-        # data: [2, n*ps, H, D]
-        n, ps = len(host_pages), self.page_size
-        if self.layout == "layer_first":
-            self.buffer[:, layer, self._slots(host_pages)] = data
-        elif self.layout == "page_first":
-            self.buffer[self._slots(host_pages), :, layer] = data.permute(1, 0, 2, 3)
-        else:
-            idx = torch.as_tensor(list(host_pages), dtype=torch.int64)
-            H, D = self.kv_heads, self.head_dim
-            self.buffer[idx, :, layer] = data.view(2, n, ps, H, D).permute(1, 0, 2, 3, 4)
-
-    def load_into(
-        self, device: DeviceKVPool, host_pages: Sequence[int], device_pages: Sequence[int]
-    ) -> None:
-        """Copy `host_pages` into `device_pages` of `device` (same order)."""
-        if len(device_pages) != len(host_pages):
-            raise ValueError("device and host page lists differ in length")
-        if not host_pages:
-            return
-        dslots = device.slots(device_pages)
-        n, ps = len(host_pages), self.page_size
-        L, H, D = self.num_layers, self.kv_heads, self.head_dim
-        if self.layout == "layer_first":
-            data = self.buffer[:, :, self._slots(host_pages)]
-        elif self.layout == "page_first":
-            data = self.buffer[self._slots(host_pages)].permute(1, 2, 0, 3, 4)
-        else:
-            idx = torch.as_tensor(list(host_pages), dtype=torch.int64)
-            data = self.buffer[idx].permute(1, 2, 0, 3, 4, 5).reshape(2, L, n * ps, H, D)
-        data = data.to(device.device, non_blocking=True)
-        if self.io_backend == "kernel":
-            for layer in range(L):
-                device.kv[:, layer, dslots] = data[:, layer]
-        else:
-            device.kv[:, :, dslots] = data
-
     # -- page payloads (L3) ----------------------------------------------------------------
 
     def _page_view(self, page: int) -> torch.Tensor:
@@ -304,3 +246,20 @@ class HostKVPool:
             tmp = torch.empty(self.page_shape, dtype=self.dtype)
             tmp.reshape(-1).view(torch.uint8).numpy()[:] = src
             t.copy_(tmp)
+
+    def gather_payloads(self, pages: Sequence[int], out: torch.Tensor) -> None:
+        """Payloads of `pages` into `out` (`[len(pages), page_nbytes]` uint8), one copy."""
+        idx = torch.as_tensor(pages, dtype=torch.int64)
+        bits = _INT_OF_SIZE[self.itemsize]  # (index kernels exist for every integer width)
+        dst = out.view(bits).view(len(pages), *self.page_shape)
+        torch.index_select(self.page_major.view(bits), 0, idx, out=dst)
+
+    def scatter_payloads(self, pages: Sequence[int], src: torch.Tensor) -> None:
+        """Set `pages` from `src` (`[len(pages), page_nbytes]` uint8, may be strided), one copy."""
+        idx = torch.as_tensor(pages, dtype=torch.int64)
+        bits = _INT_OF_SIZE[self.itemsize]
+        try:  # rows of records: each payload is contiguous, so this is a view
+            typed = src.view(bits).view(len(pages), *self.page_shape)
+        except RuntimeError:
+            typed = src.contiguous().view(bits).view(len(pages), *self.page_shape)
+        self.page_major.view(bits).index_copy_(0, idx, typed)

@@ -21,12 +21,11 @@ writers (`BEGIN IMMEDIATE`), so two engines on one mount see each other's pages.
 file system with working POSIX locks (local disks, 3FS FUSE on one host). Reads and writes go
 through POSIX `pread`/`pwrite` into/out of the caller's buffers (no intermediate copy), in
 `numjobs` parallel threads; the 3FS usrbio path is used when `hf3fs_fuse` is importable (see
-`_Usrbio`; it is not testable without a 3FS cluster).
+`Usrbio`; it is not testable without a 3FS cluster).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from typing import Any, ClassVar
 from hicache.errors import ConfigError, StorageError
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import as_bool, byte_view, check_known_keys, leading_run
+from storage_backends.hf3fs_usrbio import Usrbio
 
 logger = logging.getLogger(__name__)
 
@@ -91,60 +91,6 @@ def _chunks(items: Sequence[str], n: int = _SQL_CHUNK) -> list[Sequence[str]]:
     return [items[i : i + n] for i in range(0, len(items), n)]
 
 
-class _Usrbio:
-    """3FS user-space ring I/O (`hf3fs_fuse.io`), used instead of pread/pwrite when present.
-
-    Records are staged through one shared-memory iovec registered with the 3FS FUSE process
-    (zero-copy between this process and FUSE; one memcpy from/to the caller's buffer). Cannot be
-    exercised without a 3FS cluster: `HF3FSBackend` falls back to POSIX I/O on any error here.
-    """
-
-    def __init__(self, mount: str, slot_bytes: int, entries: int) -> None:
-        from multiprocessing.shared_memory import SharedMemory
-
-        from hf3fs_fuse import io as h3io
-
-        self._io = h3io
-        self._entries = entries
-        self._slot = slot_bytes
-        self._shm = SharedMemory(size=slot_bytes * entries, create=True)
-        self._iov = h3io.make_iovec(self._shm, mount, 0, -1)
-        self._shm.unlink()
-        self._rd = h3io.make_ioring(mount, entries, True, 0)
-        self._wr = h3io.make_ioring(mount, entries, False, 0)
-        self._lock = threading.Lock()
-        self._fds: set[int] = set()
-
-    def register(self, fd: int) -> None:
-        if fd not in self._fds:
-            self._io.register_fd(fd)
-            self._fds.add(fd)
-
-    def run(self, ios: list[tuple[int, int, memoryview]], read: bool) -> list[int]:
-        """(fd, offset, buffer) per I/O, at most `entries` of them; returns bytes moved each."""
-        ring = self._rd if read else self._wr
-        with self._lock:
-            for i, (fd, off, buf) in enumerate(ios):
-                self.register(fd)
-                part = self._iov[i * self._slot : i * self._slot + len(buf)]
-                if not read:
-                    part[:] = buf
-                ring.prepare(part, read, fd, off)
-            results = ring.submit().wait(min_results=len(ios))
-            done = [int(r.result) for r in results]
-            if read:
-                for i, (_fd, _off, buf) in enumerate(ios):
-                    if done[i] == len(buf):
-                        buf[:] = self._iov[i * self._slot : i * self._slot + len(buf)]
-        return done
-
-    def close(self) -> None:
-        for fd in self._fds:
-            with contextlib.suppress(Exception):  # best effort at shutdown
-                self._io.deregister_fd(fd)
-        self._fds.clear()
-
-
 class HF3FSBackend(StorageBackend):
     """Fixed-slot page files on a 3FS mount with a shared SQLite index.
 
@@ -190,11 +136,11 @@ class HF3FSBackend(StorageBackend):
         self._host = socket.gethostname()
         self._pool = ThreadPoolExecutor(self.numjobs, thread_name_prefix="hf3fs-io")
         self._prepare_file()
-        self._usrbio: _Usrbio | None = None
+        self._usrbio: Usrbio | None = None
         use_usrbio = str(cfg.get("use_usrbio", "auto")).lower()
         if use_usrbio not in ("false", "0", "no", "off"):
             try:
-                self._usrbio = _Usrbio(self.mount, self.slot_bytes, entries)
+                self._usrbio = Usrbio(self.mount, self.slot_bytes, entries)
                 logger.info("hf3fs: usrbio I/O enabled on %s", self.mount)
             except Exception as e:  # noqa: BLE001 - ImportError off 3FS, anything on a bad mount
                 if use_usrbio in ("true", "1", "yes", "on"):

@@ -40,8 +40,8 @@ from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
+from hicache.backend import Checked, RecordChecker, StorageBackend, StorageConfig
 from hicache.errors import ConfigError, StorageError, StorageUnavailable
-from hicache.storage import StorageBackend, StorageConfig
 from storage_backends.common import Backoff, byte_view, check_known_keys, leading_run
 
 logger = logging.getLogger(__name__)
@@ -284,6 +284,15 @@ class LMCacheBackend(StorageBackend):
         return leading_run(flags)
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        return [r.length for r in self._read(keys, out, None)]
+
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        # Records arrive one by one: each is checked (off this thread) while the next arrives.
+        return self._read(keys, out, RecordChecker(self, len(keys)))
+
+    def _read(
+        self, keys: Sequence[str], out: Sequence[memoryview], checker: RecordChecker | None
+    ) -> list[Checked]:
         get = self._lm.ClientCommand.GET
         result: list[int] = []
         with self._conn() as c:
@@ -303,7 +312,11 @@ class LMCacheBackend(StorageBackend):
                 elif n:
                     c.recv_bytes(n)  # wrong size: drained, dropped as corrupt by the caller
                 result.append(n if n else -1)  # empty: a tombstone, the page was deleted
-        return result
+                if checker is not None:
+                    checker.add(i, keys[i], result[-1], dst)
+        if checker is not None:
+            return checker.results()
+        return [Checked(n, None) for n in result]
 
     def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         views = [byte_view(v) for v in values]

@@ -6,9 +6,10 @@ its K/V live in the device pool's pages `page_table[i, :ceil(kv_lens[i] / page_s
 `out_slots` are where the new tokens' K/V are written. Attention reads and writes K/V only
 through the `DeviceKVPool`.
 
-Step metadata is built once per step as tensors on the pool's device (one padded int32 page
-table, lengths and offsets; positions and output slots are computed on the device), with two
-host-to-device copies from (pinned, on CUDA) host tensors and no device-to-host sync. The host
+Step metadata is built once per step as tensors on the pool's device (token ids, positions,
+output slots, one padded int32 page table, lengths and offsets) from two (pinned, on CUDA) host
+buffers: two host-to-device copies, no device-to-host sync, no Python work per token beyond
+listing the ids and positions. The host
 lists `q_lens` / `kv_lens` are kept for backends that loop on the host (the `torch` backend).
 """
 
@@ -86,6 +87,8 @@ class ForwardBatch:
         dev = pool.device
         ps = pool.page_size
         ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
         q_lens: list[int] = []
         kv_lens: list[int] = []
         widths: list[int] = []
@@ -97,39 +100,39 @@ class ForwardBatch:
             if len(pages) * ps < kv_len:
                 raise ValueError(f"page table covers {len(pages) * ps} slots, need {kv_len}")
             ids.extend(new)
+            pos.extend(range(start, kv_len))
+            # Output slots page by page (never a Python step per token when page_size > 1).
+            i = start
+            while i < kv_len:
+                off = i % ps
+                take = min(ps - off, kv_len - i)
+                base = pages[i // ps] * ps + off
+                slots.extend(range(base, base + take))
+                i += take
             q_lens.append(n)
             kv_lens.append(kv_len)
             widths.append(-(-kv_len // ps))
         b, p, t = len(seqs), max(widths), len(ids)
-        # One int32 host buffer [q_lens | kv_lens | page table], one copy to the device.
-        meta: list[int] = q_lens + kv_lens
+        q_starts = [0]
+        for n in q_lens:
+            q_starts.append(q_starts[-1] + n)
+        last = last_only and t > b  # decode: one row per request already
+        # One int64 host buffer [ids | positions | out slots | logits rows] and one int32
+        # [q_lens | kv_lens | q_starts | page table]: two copies to the device, no sync.
+        big = ids + pos + slots + (q_starts[1:] if last else [])
+        meta: list[int] = q_lens + kv_lens + q_starts
         for (_, _, pages), w in zip(seqs, widths):
             meta.extend(pages[:w])
             meta.extend([0] * (p - w))
         pin = dev.type == "cuda"
-        host_meta = torch.tensor(meta, dtype=torch.int32, pin_memory=pin)
-        host_ids = torch.tensor(ids, dtype=torch.int64, pin_memory=pin)
-        dmeta = host_meta.to(dev, non_blocking=True)
-        input_ids = host_ids.to(dev, non_blocking=True)
-        q_lens_t, kv_lens_t = dmeta[:b], dmeta[b : 2 * b]
-        page_table = dmeta[2 * b :].view(b, p)
-        q_starts = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(q_lens_t, 0, dtype=torch.int32, out=q_starts[1:])
-        if t == b:  # one new token per request (decode): row i is request i
-            req = torch.arange(b, device=dev)
-            positions = (kv_lens_t - 1).long()
-        else:
-            req = torch.repeat_interleave(
-                torch.arange(b, device=dev), q_lens_t.long(), output_size=t
-            )
-            prefix = (kv_lens_t - q_lens_t - q_starts[:-1]).long()
-            positions = torch.arange(t, device=dev) + prefix[req]
-        out_slots = page_table[req, positions // ps].long() * ps + positions % ps
-        rows = None if (not last_only or t == b) else (q_starts[1:] - 1).long()
+        dbig = torch.tensor(big, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+        dmeta = torch.tensor(meta, dtype=torch.int32, pin_memory=pin).to(dev, non_blocking=True)
         return cls(
-            input_ids=input_ids, positions=positions, out_slots=out_slots, page_table=page_table,
-            q_lens_t=q_lens_t, kv_lens_t=kv_lens_t, q_starts=q_starts, page_size=ps,
-            q_lens=q_lens, kv_lens=kv_lens, logits_rows=rows, wait_layer=wait_layer,
+            input_ids=dbig[:t], positions=dbig[t : 2 * t], out_slots=dbig[2 * t : 3 * t],
+            page_table=dmeta[3 * b + 1 :].view(b, p), q_lens_t=dmeta[:b],
+            kv_lens_t=dmeta[b : 2 * b], q_starts=dmeta[2 * b : 3 * b + 1], page_size=ps,
+            q_lens=q_lens, kv_lens=kv_lens, logits_rows=dbig[3 * t :] - 1 if last else None,
+            wait_layer=wait_layer,
         )
 
 

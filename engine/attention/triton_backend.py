@@ -65,8 +65,11 @@ class TritonAttentionBackend(AttentionBackend):
         from engine.attention import triton_kernels
 
         self.k = triton_kernels
+        cuda = pool.device.type == "cuda"
         # Split-K of decode: enough programs to fill a GPU at small batch sizes.
-        self.num_splits = num_splits or (8 if pool.device.type == "cuda" else 2)
+        self.num_splits = num_splits or (8 if cuda else 2)
+        # Extend tiles; small under the interpreter so the tests cross tile borders.
+        self.block = 64 if cuda else 32
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -102,6 +105,6 @@ class TritonAttentionBackend(AttentionBackend):
             assert isinstance(meta, _ExtendMeta)
             self.k.extend_attention(
                 q, kbuf, vbuf, batch.page_table, batch.q_starts, batch.q_lens_t, batch.kv_lens_t,
-                meta.max_q_len, pool.page_size, self.scale, out,
+                meta.max_q_len, pool.page_size, self.scale, out, self.block, self.block,
             )
         return out.reshape(q.shape[0], -1)

@@ -22,6 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
+# Only `triton.language` builtins below, no functions of its standard library (`tl.max`,
+# `tl.sum`, `tl.zeros`, `tl.cdiv` are themselves `@triton.jit` functions): those are decorated
+# when triton is first imported, and if that import happened before TRITON_INTERPRET=1 was set
+# (transformers imports triton) they cannot run inside an interpreted kernel.
+
+
+@triton.jit
+def _fmax(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _fadd(a, b):
+    return a + b
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 must stay float32 (TF32 would change greedy outputs vs the torch backend).
@@ -58,7 +77,7 @@ def store_kv(
         k, v, kbuf, vbuf, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kbuf.stride(0), kbuf.stride(1),
         HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=_block_d(d),
     )
 
 
@@ -81,12 +100,12 @@ def _decode_stage1(
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     kv_len = tl.load(KvLens + b)
-    split_len = tl.cdiv(kv_len, NUM_SPLITS)
+    split_len = (kv_len + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -97,12 +116,12 @@ def _decode_stage1(
         k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
         m_i = m_new
     has = l_i > 0.0  # an empty split (short sequence) reports -inf and a zero partial
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -124,10 +143,10 @@ def _decode_stage2(
     mask_d = offs_d < HEAD_DIM
     # Split 0 is never empty (kv_len >= 1), so the running max is finite from the first step.
     m = tl.full([1], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    den = tl.full([1], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     for s in range(NUM_SPLITS):
-        lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + s + tl.zeros([1], tl.int32))
+        lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + s + tl.full([1], 0, dtype=tl.int32))
         o = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + offs_d,
                     mask=mask_d, other=0.0)
         m_new = tl.maximum(m, lse)
@@ -163,13 +182,13 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, PAGE=page_size, NUM_SPLITS=splits, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
     )
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=_block_d(d),
     )
 
 
@@ -199,8 +218,8 @@ def _extend_kernel(
     end = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     end = tl.where(mblk * BLOCK_M < q_len, end, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -213,12 +232,12 @@ def _extend_kernel(
         # Key 0 is visible to every row, so each row's max is finite after the first block.
         ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
         qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -248,5 +267,5 @@ def extend_attention(
         q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0),
         GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
     )

@@ -46,7 +46,7 @@ def _prepare_generate(state: ServerState, body: GenerateBody) -> tuple[list[Any]
     if not batch:
         raise bad("the batch is empty", "text")
     sp = body.sampling_params or GenerateSampling()
-    state.check_n(sp.n, "sampling_params.n")
+    state.check_n(sp.n, len(batch), "sampling_params.n")
     out = []
     for i, pr in enumerate(batch):
         param = ("text" if body.text is not None else "input_ids") + ("" if single else f".{i}")

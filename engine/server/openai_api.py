@@ -37,7 +37,6 @@ Prepared = list[tuple[list[int], dict[str, Any]]]
 
 def _params(state: ServerState, body: CompletionBody | ChatBody, prompt_len: int,
             max_tokens: int | None) -> dict[str, Any]:
-    state.check_n(body.n)
     return state.sampling(
         max_tokens=max_tokens, param="max_tokens", prompt_len=prompt_len,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
@@ -66,6 +65,7 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
     prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts:
         raise bad("the prompt is empty", "prompt")
+    state.check_n(body.n, len(prompts))
     out = []
     for i, pr in enumerate(prompts):
         ids = state.tokenize(pr, "prompt" if len(prompts) == 1 else f"prompt.{i}")
@@ -76,6 +76,7 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
 def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
+    state.check_n(body.n, 1)
     msgs = [{"role": m.role, "content": _chat_text(m, i)} for i, m in enumerate(body.messages)]
     ids = state.chat_ids(msgs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \

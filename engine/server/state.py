@@ -40,6 +40,8 @@ MAX_BODY_BYTES = 64 << 20
 BODY_BUDGET_BYTES = 4 * MAX_BODY_BYTES
 # Worker threads that parse and tokenize request bodies.
 PARSE_THREADS = 2
+# Generations one request may ask for (prompts x n).
+MAX_GENERATIONS = 1024
 
 
 @dataclass
@@ -190,10 +192,13 @@ class ServerState:
         sp["stop"] = params.stop
         return sp
 
-    def check_n(self, n: int, param: str = "n") -> None:
+    def check_n(self, n: int, n_prompts: int, param: str = "n") -> None:
         if not 1 <= n <= self.args.max_running_requests:
             raise bad(f"{param} must be in 1..{self.args.max_running_requests} (the engine's "
                       f"--max-running-requests), got {n}", param)
+        if n * n_prompts > MAX_GENERATIONS:
+            raise bad(f"{n_prompts} prompts x n={n} is more than {MAX_GENERATIONS} generations "
+                      "in one request", param)
 
     # ---- generations (on the event loop) ------------------------------------------------------
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.deployment.cluster import LONG_PROMPT, PAGE, generate, l3_flags, wait_store_pages
 from tests.engine.test_server_api import EngineServer
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+
+pytestmark = pytest.mark.slow
 
 
 def test_idle_engine_backs_up_to_l3_and_another_engine_reads_it(tmp_path: Path) -> None:

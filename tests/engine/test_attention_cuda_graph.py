@@ -127,12 +127,15 @@ def test_capture_and_replay_equal_eager(checkpoint_factory: Callable[..., Path])
         logits = r.forward([(p, 0, t) for p, t in zip(prompts, tables)])
         toks = logits.argmax(-1).tolist()
         steps = []
-        for s in range(6):
-            n = len(prompts) - (s % 2)  # 3 then 2 requests: padded to 4 and 2
+        # 3 requests (replayed padded to 4), then 2 (the third finished), then 1.
+        for s, n in enumerate((3, 3, 2, 2, 1)):
             seqs = [([toks[i]], len(prompts[i]) + s, tables[i]) for i in range(n)]
             out = r.forward(seqs)
             steps.append(out.clone())
-            toks = out.argmax(-1).tolist() + toks[n:]
+            toks = out.argmax(-1).tolist()
         outs.append(steps)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    gr = runners[1].graph_runner
+    assert sorted(gr.graphs) == [1, 2, 4, 8]
+    assert gr.replays == 5

@@ -56,9 +56,7 @@ def _tables(pool: DeviceKVPool, kv_lens: list[int], seed: int) -> list[list[int]
 
 # (new tokens, cached prefix) per request.
 SHAPES = {
-    "decode_1": [(1, 0)],
     "decode_mixed": [(1, 0), (1, 4), (1, 36), (1, 17)],
-    "prefill_1": [(21, 0)],
     "prefill_ragged": [(7, 0), (19, 0), (3, 0)],
     "extend_prefix": [(20, 13), (5, 33), (9, 0)],
     "extend_with_decode_rows": [(1, 9), (12, 30), (1, 0), (40, 2)],

@@ -80,10 +80,20 @@ def examples(text: str) -> list[Example]:
                 expected = json.loads("\n".join(comment))
             else:
                 nxt = bl[i + 1] if i + 1 < len(bl) else None
-                assert nxt is not None and nxt[0] == "json", f"line {first + start}: no answer"
-                expected = json.loads(nxt[2])
+                assert nxt is not None and nxt[0] in ("json", "sse"), f"line {first + start}"
+                expected = json.loads(nxt[2]) if nxt[0] == "json" else sse_events(nxt[2])
             found.append(Example(first + start, shlex.split(cmd), expected))
     return found
+
+
+def sse_events(text: str) -> list[Any]:
+    """The events of a Server-Sent Events body: each `data: ...` line as JSON ("[DONE]" kept)."""
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line:
+            assert line.startswith("data: "), line
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
 
 
 def send(client: httpx.Client, argv: list[str], base: str) -> httpx.Response:
@@ -92,7 +102,7 @@ def send(client: httpx.Client, argv: list[str], base: str) -> httpx.Response:
     k = 1
     while k < len(argv):
         a = argv[k]
-        if a == "-s":
+        if a in ("-s", "-sN"):
             pass
         elif a == "-X":
             k += 1
@@ -176,9 +186,11 @@ def test_documented_ready_line_and_requests(served: Any) -> None:
         for ex in found:
             r = send(c, ex.argv, f"http://127.0.0.1:{port}")
             # The store's directory is a temporary one here; the docs show the command's.
-            actual = json.loads(r.text.replace(str(tmp / "pages"), ".hicache/pages"))
+            raw = r.text.replace(str(tmp / "pages"), ".hicache/pages")
+            sse = r.headers.get("content-type", "").startswith("text/event-stream")
+            actual = sse_events(raw) if sse else json.loads(raw)
             if show:
-                print(f"--- docs/server.md:{ex.line} {r.status_code}\n"
-                      + json.dumps(actual, ensure_ascii=False))
+                print(f"--- docs/server.md:{ex.line} {r.status_code}\n" + (raw if sse else
+                      json.dumps(actual, ensure_ascii=False)))
                 continue
             matches(ex.expected, actual, f"docs/server.md:{ex.line}")

@@ -91,8 +91,7 @@ def test_new_records_are_version_2_with_xxh3():
     version, = struct.unpack_from("<H", rec, 4)
     assert version == RECORD_VERSION == 2
     stored, = struct.unpack_from("<Q", rec, HEADER_BYTES - 8)
-    seed = xxhash.xxh3_64_intdigest(bytes(rec[:HEADER_BYTES - 8]))
-    assert stored == xxhash.xxh3_64_intdigest(payload, seed)
+    assert stored == xxhash.xxh3_64_intdigest(bytes(rec[:HEADER_BYTES - 8]) + payload)
     assert verify_record(rec, "k1").version == 2
 
 
@@ -142,3 +141,21 @@ def test_checksum_false_skips_only_the_checksum():
         verify_record(rec, "k")
     with pytest.raises(StorageCorrupt, match="another key"):
         verify_record(rec, "k2", checksum=False)
+
+
+def test_version_1_record_reads_through_a_backend():
+    """A store filled before the XXH3 records keeps serving its pages."""
+    from hicache.memory_backend import MemoryBackend
+    from hicache.storage import StorageConfig
+
+    b = MemoryBackend(StorageConfig(namespace=NS.hex()))
+    b.raw_put(V1_KEY, V1_RECORD)
+    out = [memoryview(bytearray(len(V1_RECORD)))]
+    assert b.batch_get([V1_KEY], out) == [True]
+    assert bytes(out[0]) == V1_RECORD
+    assert (b.stats().get_hits, b.stats().corrupt_pages) == (1, 0)
+    bad = bytearray(V1_RECORD)
+    bad[HEADER_BYTES] ^= 1
+    b.raw_put(V1_KEY, bytes(bad))
+    assert b.batch_get([V1_KEY], out) == [False]
+    assert b.stats().corrupt_pages == 1

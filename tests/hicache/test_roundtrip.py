@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.config import HiCacheConfig
+from hicache.hiradix import HiRadixCache
 from hicache.memory_backend import MemoryBackend
+from hicache.pools import DeviceKVPool
 from hicache.storage import StorageConfig
 from tests.hicache.factories import tensor_cache
 
@@ -26,10 +29,71 @@ def test_round_trip_all_tiers(layout, io_backend, dtype, synchronous):
     cache = tensor_cache(mem_layout=layout, io_backend=io_backend, dtype=dtype,
                          synchronous=synchronous,
                          storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    check_all_tiers(cache, dtype)
+
+
+def cuda_cache(layout: str, io_backend: str, dtype: torch.dtype, synchronous: bool, shared: str):
+    config = HiCacheConfig(page_size=4, mem_layout=layout, io_backend=io_backend,
+                           synchronous=synchronous, prefetch_threshold=0, load_back_threshold=0)
+    pool = DeviceKVPool(num_pages=16, page_size=4, num_layers=2, kv_heads=2, head_dim=4,
+                        dtype=dtype, device="cuda")
+    return HiRadixCache(config, device_pool=pool, num_host_pages=32,
+                        storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_gpu_round_trip_all_tiers(layout, io_backend, synchronous):
+    """The same round trip with the device pool on CUDA: pinned host pool, copies on the write
+    and load streams, write acks from events."""
+    shared = f"gpu-rt-{layout}-{io_backend}-{synchronous}"
+    cache = cuda_cache(layout, io_backend, torch.bfloat16, synchronous, shared)
+    assert cache.host_pool.buffer.is_pinned()
+    check_all_tiers(cache, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_async_write_through_under_eviction():
+    """Write-through copies are in flight (events) while the forward goes on and eviction is
+    asked for: locked nodes are not evicted before their ack, and what reaches host is exact."""
+    cache = cuda_cache("page_first", "direct", torch.bfloat16, False, "gpu-wt-evict")
+    pool = cache.device_pool
+    kv = {}
+    for i in range(3):
+        tokens = list(range(100 * i, 100 * i + 16))
+        pages = cache.alloc_device(4)
+        pool.kv[:, :, pool.slots(pages)] = torch.randn(
+            pool.kv[:, :, pool.slots(pages)].shape, device="cuda").to(torch.bfloat16)
+        kv[i] = pool.kv[:, :, pool.slots(pages)].clone()
+        cache.insert(tokens, pages)
+        # The next "forward" overwrites other device memory on the compute stream meanwhile.
+        pool.kv[:, :, pool.slots([15])] += 1  # (page 15 is never allocated here)
+        cache.evict(1000)  # only nodes whose write was acked can go
+        cache.check_integrity()
+    cache.flush()
+    cache.evict(1000)
+    assert cache.usage()["device_pages_free"] == 16
+    pool.kv.zero_()
+    for i in range(3):
+        acq = cache.acquire(list(range(100 * i, 100 * i + 16)))
+        assert acq.host_hit_tokens == 16
+        assert torch.equal(kv_of(cache, acq.device_pages), kv[i])
+        cache.release(acq.node)
+    cache.flush()
+    cache.check_integrity(0)
+    cache.close()
+
+
+def check_all_tiers(cache, dtype):
     tokens = list(range(1000, 1024))  # 6 pages of 4
     pool = cache.device_pool
     pages = cache.alloc_device(6)
-    pool.kv[:, :, pool.slots(pages)] = torch.randn(pool.kv[:, :, pool.slots(pages)].shape).to(dtype)
+    shape = pool.kv[:, :, pool.slots(pages)].shape
+    pool.kv[:, :, pool.slots(pages)] = torch.randn(shape, device=pool.device).to(dtype)
     original = kv_of(cache, pages)
     cache.insert(tokens, pages)
     cache.flush()

@@ -51,14 +51,16 @@ def test_hiradix_namespaces_never_share_pages() -> None:
         assert a.storage_stats().stored_pages == 16  # type: ignore[union-attr]
         keys_a = a.storage_keys(a.match_prefix(TOKENS).last_device_node)
         # Another model: the same tokens name other keys, and nothing is found.
-        assert b.prefetch("b", TOKENS) == 0
+        assert b.prefetch("b", TOKENS) == 8 * PAGE  # asked of L3, which has none of its keys
+        assert b.prefetch_progress("b") == (0, 0) and b.stats.prefetch_started == 0
         _, cached = run_request(b, TOKENS, rid="b")
         assert cached == 0 and b.stats.storage_hit_tokens == 0
         keys_b = b.storage_keys(b.match_prefix(TOKENS).last_device_node)
         assert not set(keys_a) & set(keys_b)
         # The same model with another salt, and no salt vs a salt, are namespaces apart too.
         for ek in ["tenant-2", None]:
-            assert a2.prefetch(f"x{ek}", TOKENS, extra_key=ek) == (8 * PAGE if ek is None else 0)
+            a2.prefetch(f"x{ek}", TOKENS, extra_key=ek)
+            assert a2.prefetch_progress(f"x{ek}") == ((8, 8) if ek is None else (0, 0))
             a2.cancel_prefetch(f"x{ek}")
         assert a2.prefetch("t1", TOKENS, extra_key="tenant-1") == 8 * PAGE  # control
         acq = a2.acquire(TOKENS, extra_key="tenant-1", request_id="t1")

@@ -5,6 +5,7 @@ no host or device page has leaked (`check_integrity`) and every page loaded is t
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -54,16 +55,23 @@ def test_host_pool_exhausted_with_prefetches_in_flight() -> None:
         writer.flush()
         assert writer.storage_stats().stored_pages == 6 * PROMPT_PAGES  # type: ignore[union-attr]
     backend = GatedBackend(shared)
+    # Prefetches may take the whole host pool here (the default caps them at half of it).
     cache = tensor_cache(page_size=PAGE, device_pages=64, host_pages=2 * PROMPT_PAGES,
-                         storage=backend, synchronous=False)
+                         storage=backend, synchronous=False, prefetch_max_host_share=1.0)
     try:
         pool = cache.device_pool
         assert pool is not None
 
         backend.gate.clear()
         started = [cache.prefetch(f"r{i}", prompt(i)) for i in range(6)]
-        # Two prefetches fill the host pool; the others find no room and are not started.
-        assert started == [PROMPT_PAGES * PAGE] * 2 + [0] * 4
+        # Every prefetch asks L3 (on the prefetch worker). Host pages are reserved as the answers
+        # are applied: two prefetches fill the host pool, the others find no room.
+        assert started == [PROMPT_PAGES * PAGE] * 6
+        deadline = time.monotonic() + 30
+        while cache.usage()["pending_prefetches"] != 2:
+            assert time.monotonic() < deadline, "the L3 probes were never answered"
+            cache.poll()
+            time.sleep(0.002)
         use = cache.usage()
         assert (use["host_pages_free"], use["host_inflight_pages"]) == (0, 2 * PROMPT_PAGES)
         assert use["pending_prefetches"] == 2

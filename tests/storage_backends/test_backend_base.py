@@ -4,12 +4,20 @@
 from __future__ import annotations
 
 import ast
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from hicache.backend import StorageBackend, StorageConfig
+from hicache.backend import (
+    OFFLOAD_CHECK_BYTES,
+    Checked,
+    RecordChecker,
+    StorageBackend,
+    StorageConfig,
+)
+from hicache.codec import HEADER_BYTES
 from hicache.errors import ConfigError
 from hicache.lru import LRUByteStore
 from hicache.memory_backend import MemoryBackend
@@ -228,3 +236,46 @@ def test_storage_modules_form_no_import_circle() -> None:
 
     assert [m for m in graph if reaches(m, m)] == []
 
+
+
+class _WhoChecks(_DictBackend):
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        self.checked_by: dict[str, str] = {}
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        self.checked_by[key] = threading.current_thread().name
+        return super().check_record(key, length, buf)
+
+
+def test_default_get_checks_large_records_on_check_threads() -> None:
+    b = _WhoChecks(_config())
+    big, small = make_codec(OFFLOAD_CHECK_BYTES), make_codec(1000)
+    keys = make_keys(6)
+    recs = make_records(big, keys[:4]) + make_records(small, keys[4:])
+    assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 6
+    bad = bytearray(recs[2])
+    bad[HEADER_BYTES + 12345] ^= 0x08  # a payload bit of a record checked off-thread
+    b.data[keys[2]] = bytes(bad)
+    out = buffers(4, big.record_bytes) + buffers(2, small.record_bytes)
+    assert b.batch_get(keys, out) == [True, True, False, True, True, True]
+    assert [bytes(o) for i, o in enumerate(out) if i != 2] == [
+        bytes(r) for i, r in enumerate(recs) if i != 2]
+    assert all(b.checked_by[k].startswith("hicache-check") for k in keys[:4])
+    assert [b.checked_by[k] for k in keys[4:]] == ["MainThread"] * 2
+    st = b.stats()
+    assert (st.get_hits, st.corrupt_pages) == (5, 1) and keys[2] not in b.data
+
+
+def test_record_checker_reports_absent_and_wrong_length() -> None:
+    b = _DictBackend(_config())
+    codec = make_codec(OFFLOAD_CHECK_BYTES)
+    rec = make_records(codec, make_keys(1))[0]
+    buf = memoryview(bytearray(rec))
+    c = RecordChecker(b, 3)
+    c.add(0, make_keys(1)[0], len(rec), buf)
+    c.add(2, "k", len(rec) + 5, buf)  # the store holds a longer record: corrupt, not a hit
+    res = c.results()
+    assert res[0] == Checked(len(rec), None)
+    assert res[1] == Checked(-1, None)  # never added: absent
+    assert res[2].length == len(rec) + 5 and "expected" in (res[2].problem or "")

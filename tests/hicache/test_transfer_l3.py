@@ -1,0 +1,131 @@
+"""host <-> L3 in batches (`hicache.transfer_tensor.TensorTransfer`): records read into one
+staging buffer, headers checked together, payloads placed with one indexed copy per batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hicache.controller import PrefetchOp, TransferController
+from hicache.memory_backend import MemoryBackend
+from hicache.pools import DeviceKVPool, HostKVPool, dtype_name
+from hicache.storage import PageCodec, StorageConfig
+from hicache.transfer_tensor import TensorTransfer
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def setup(layout: str, dtype: torch.dtype, shared: str, namespace: bytes = b"n" * 32):
+    dev = DeviceKVPool(num_pages=8, page_size=4, num_layers=2, kv_heads=2, head_dim=4,
+                       dtype=dtype)
+    dev.kv.copy_(torch.randn(dev.kv.shape).to(dtype))
+    host = HostKVPool.like(dev, 16, layout=layout)
+    codec = PageCodec(namespace=namespace, dtype=dtype_name(dtype), shape=host.page_shape,
+                      layout=layout, tokens_per_page=4, itemsize=host.itemsize)
+    backend = MemoryBackend(StorageConfig(extra={"shared": shared}))
+    return dev, host, TensorTransfer(dev, host, backend, codec), backend
+
+
+def counters() -> SimpleNamespace:
+    return SimpleNamespace(written=0, failed=0, nbytes=0, completed=0, corrupt=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_then_fetch_in_batches_is_bit_exact(layout, dtype):
+    dev, host, tr, _ = setup(layout, dtype, f"l3-{layout}-{dtype}")
+    keys = [f"k{i}" for i in range(6)]
+    tr.device_to_host([0, 1, 2, 3, 4, 5], [9, 3, 4, 5, 12, 0]).synchronize()
+    op = counters()
+    tr.store(keys, [9, 3, 4, 5, 12, 0], op)
+    assert (op.written, op.failed, op.nbytes) == (6, 0, 6 * tr.codec.record_bytes)
+    expect = host.page_major[[9, 3, 4, 5, 12, 0]].clone()
+    host.buffer.zero_()
+    op = counters()
+    assert tr.fetch(keys[:4], [1, 2, 7, 6], op) and tr.fetch(keys[4:], [15, 8], op)
+    assert (op.completed, op.corrupt, op.nbytes) == (6, 0, 6 * tr.codec.record_bytes)
+    assert torch.equal(host.page_major[[1, 2, 7, 6, 15, 8]].view(torch.uint8),
+                       expect.view(torch.uint8))
+
+
+def test_fetch_stops_at_a_record_of_another_namespace():
+    dev, host, tr, backend = setup("page_first", torch.float32, "l3-foreign")
+    keys = [f"k{i}" for i in range(5)]
+    tr.device_to_host([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
+    tr.store(keys, [0, 1, 2, 3, 4], counters())
+    # Same key, valid checksum, but written by another cache (another namespace).
+    _, _, other, _ = setup("page_first", torch.float32, "l3-foreign", namespace=b"x" * 32)
+    other.store([keys[2]], [7], counters())
+    expect = host.page_major[[0, 1]].clone()
+    host.buffer.zero_()
+    op = counters()
+    assert not tr.fetch(keys, [10, 11, 12, 13, 14], op)
+    assert (op.completed, op.corrupt) == (2, 1)
+    assert backend.stats().corrupt_pages == 1
+    assert torch.equal(host.page_major[[10, 11]], expect)  # placed
+    assert not host.page_major[12].any()  # the foreign page was not placed
+
+
+def test_missing_page_stops_the_fetch():
+    _, host, tr, _ = setup("layer_first", torch.float32, "l3-missing")
+    tr.device_to_host([0, 1], [0, 1])
+    tr.store(["a", "b"], [0, 1], counters())
+    op = counters()
+    assert not tr.fetch(["a", "zz", "b"], [2, 3, 4], op)
+    assert (op.completed, op.corrupt) == (1, 0)
+
+
+def test_prefetch_worker_acks_and_wakes_waiters():
+    dev, host, tr, _ = setup("page_first_direct", torch.float32, "l3-worker")
+    keys = [f"k{i}" for i in range(7)]
+    tr.device_to_host(list(range(7)), list(range(7)))
+    tr.store(keys, list(range(7)), counters())
+    ctl = TransferController(tr, has_storage=True, batch_pages=3)
+    try:
+        op = PrefetchOp("r", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
+                        host_pages=[8, 9, 10, 11, 12, 13, 14], started=0.0, budget_s=0.0)
+        ctl.submit_prefetch(op)
+        while not ctl.wait_progress(60):
+            pass
+        assert ctl.wait_idle(60)
+        assert ctl.acks() == [op]
+        assert (op.completed, op.error) == (7, None)
+        assert torch.equal(host.page_major[8:15], host.page_major[0:7])
+        assert not ctl.wait_progress(0)  # nothing pending, nothing queued
+        assert ctl.cost is not None and ctl.cost.bandwidth["storage"].value > 0
+    finally:
+        ctl.close()
+
+
+def test_pipelined_prefetch_counts_the_leading_run_only():
+    """40 pages read as sub-batches on reader threads; a page missing in the second sub-batch
+    stops the count there, whatever order the readers finished in."""
+    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
+    dev.kv.copy_(torch.randn(dev.kv.shape))
+    host = HostKVPool.like(dev, 96, layout="page_first")
+    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
+                      layout="page_first", tokens_per_page=2, itemsize=4)
+    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-pipe"})),
+                        codec)
+    keys = [f"p{i}" for i in range(40)]
+    tr.device_to_host(list(range(40)), list(range(40)))
+    tr.store(keys, list(range(40)), counters())
+    ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=4)
+    try:
+        full = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
+                          host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        holed = PrefetchOp("b", anchor=None, tokens=(), start_page=0,  # type: ignore[arg-type]
+                           keys=keys[:20] + ["missing"] + keys[21:],
+                           host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        ctl.submit_prefetch(full)
+        assert ctl.wait_idle(60)
+        assert (full.completed, full.nbytes) == (40, 40 * codec.record_bytes)
+        assert torch.equal(host.page_major[50:90], host.page_major[0:40])
+        ctl.submit_prefetch(holed)
+        assert ctl.wait_idle(60)
+        assert (holed.completed, holed.error) == (20, None)
+        assert ctl.acks() == [full, holed]
+    finally:
+        ctl.close()
