@@ -173,3 +173,43 @@ def test_bad_specs_are_refused_at_admission(engine: Engine, kw: dict[str, Any],
     with pytest.raises(ValueError, match=msg):
         engine.add_request(input_ids=[1, 2, 3], **kw)
     assert not engine.has_unfinished()
+
+
+def test_prefill_rows_plan() -> None:
+    from engine.req_logprobs import ReqLogprobs, prefill_rows
+
+    plain = ReqLogprobs.make(2, -1, 10)  # output logprobs only: nothing pending
+    assert plain.cache_limit(9) == 9 and not plain.prompt_pending
+    assert prefill_rows([(None, 0, 5), (plain, 3, 7)]) is None
+    a = ReqLogprobs.make(0, 0, 10)  # positions 0..8 are needed
+    b = ReqLogprobs.make(1, 6, 10)  # positions 5..8
+    assert (a.prompt, a.next_pos, b.prompt, b.next_pos) == ([None], 0, [], 5)
+    assert a.cache_limit(9) == 0 and b.cache_limit(9) == 5
+    # a: a first chunk of 6 (positions 0..5); b: positions 4..9 (the last is the prompt's end).
+    rows, last, spans = prefill_rows([(None, 0, 3), (a, 0, 6), (b, 4, 6)])  # type: ignore[misc]
+    assert rows == [2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14]
+    assert last == [0, 6, 11]
+    assert spans == [(0, 0), (1, 6), (7, 4)]
+    with pytest.raises(RuntimeError):
+        prefill_rows([(b, 6, 4)])  # position 5 was never computed
+
+
+def test_logprobs_travel_in_protocol_messages(engine: Engine) -> None:
+    from engine.server import protocol as P
+
+    ids = engine.tokenizer.encode(PROMPT)[:12]
+    rid = engine.add_request(input_ids=ids, sampling_params={"max_new_tokens": 2},
+                             return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
+    lp: dict[str, Any] | None = None
+    while lp is None:
+        lp = next((u["logprobs"] for u in engine.step() if u["rid"] == rid), None)
+    while engine.has_unfinished():
+        engine.step()
+    out = P.ReqOut(rid=rid, new_token_ids=[1], finished=False, finish_reason=None,
+                   prompt_tokens=12, completion_tokens=1, cached_tokens=0, logprobs=lp)
+    back = P.decode(P.encode(out))
+    assert back == out and back.logprobs["prompt"][0] is None
+    assert len(back.logprobs["prompt"]) == 12 and len(back.logprobs["output"]) == 1
+    req = P.GenerateReq(rid="r", input_ids=ids, sampling_params={"logit_bias": {"5": 1.0}},
+                        logprobs={"top_logprobs_num": 2, "logprob_start_len": 0})
+    assert P.decode(P.encode(req)) == req
