@@ -130,10 +130,10 @@ class Scheduler:
         updated: list[Req] = []
         if not self._prefill_step(updated) and self.running:
             self._decode_step(updated)
-        if not updated and self.waiting and not self.running and self.caching:
+        if not updated and self.waiting and not self.running:
             # Everything waits on L3 prefetches: block briefly (GIL released) instead of
             # spinning, which starved the prefetch thread (L3 hits at 25 MB/s).
-            self.cache.controller.wait_progress(0.002)
+            self.cache.wait_progress(0.002)
         updated.extend(self.finished_updates)
         self.finished_updates = []
         seen: set[str] = set()

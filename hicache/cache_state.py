@@ -202,6 +202,10 @@ class CacheState:
         """Apply every completed background transfer; return how many were applied."""
         return self.acks.poll()
 
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a background transfer completes."""
+        return self.controller.wait_progress(timeout)
+
     def _after(self) -> None:
         if self.controller.synchronous:
             self.acks.poll()

@@ -91,6 +91,11 @@ class PrefixCache(Protocol):
 
     def poll(self) -> int: ...
 
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a background transfer completes (instead of spinning
+        while every waiting request waits on one); True when an ack is ready for `poll`."""
+        ...
+
     def flush(self, timeout: float | None = None) -> None: ...
 
     def reset(self) -> None: ...
@@ -211,6 +216,9 @@ class NoPrefixCache:
     def poll(self) -> int:
         self._drop_orphans()
         return 0
+
+    def wait_progress(self, timeout: float) -> bool:
+        return False  # no background transfers
 
     def flush(self, timeout: float | None = None) -> None:
         self._drop_orphans()
