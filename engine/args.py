@@ -13,6 +13,7 @@ from typing import Any
 
 from hicache.config import (
     DEFAULT_PAGE_SIZE,
+    HOST_MEMORY_MODES,
     IO_BACKENDS,
     MEM_LAYOUTS,
     PREFETCH_POLICIES,
@@ -168,6 +169,11 @@ class EngineArgs:
             self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be >= page_size ({self.page_size}), "
             f"got {self.chunked_prefill_size}",
+        )
+        check(
+            self.hicache_host_memory_mode in HOST_MEMORY_MODES,
+            f"unknown hicache_host_memory_mode {self.hicache_host_memory_mode!r}; "
+            f"known: {', '.join(HOST_MEMORY_MODES)}",
         )
         check(
             self.hicache_write_policy in WRITE_POLICIES,

@@ -26,6 +26,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": args_mod.DTYPES,
     "attention_backend": args_mod.ATTENTION_BACKENDS,
     "schedule_policy": args_mod.SCHEDULE_POLICIES,
+    "hicache_host_memory_mode": args_mod.HOST_MEMORY_MODES,
     "hicache_write_policy": args_mod.WRITE_POLICIES,
     "hicache_io_backend": args_mod.IO_BACKENDS,
     "hicache_mem_layout": args_mod.MEM_LAYOUTS,

@@ -1,7 +1,7 @@
 """HiCache core: a tiered (device / host / storage) KV cache over a page-granular radix tree.
 
-Imports nothing from `engine`, `storage_backends` or `tools`; depends on torch, numpy and the
-standard library only.
+Imports nothing from `engine`, `storage_backends` or `tools`; depends on torch, numpy, xxhash
+(page record checksums) and the standard library only.
 """
 
 from hicache.config import HiCacheConfig

@@ -87,7 +87,9 @@ class Acks:
                 for x in covered:
                     x.stored = True
             if c.config.host_memory_mode == "buffer_only":
-                trim(c, covered)
+                # The staged copies of this backup, and of ancestors whose own backup was acked
+                # while this one pinned them.
+                trim(c, [x for x in c.tree.path(op.node) if x in covered or x.stored])
         else:
             self.prefetcher.acked(op)
 

@@ -202,13 +202,14 @@ class CacheState:
         """Apply every completed background transfer; return how many were applied."""
         return self.acks.poll()
 
-    def wait_progress(self, timeout: float) -> bool:
-        """Block up to `timeout` s until a background transfer completes."""
-        return self.controller.wait_progress(timeout)
-
     def _after(self) -> None:
         if self.controller.synchronous:
             self.acks.poll()
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a background transfer completes; True when an ack is
+        waiting to be applied."""
+        return self.controller.wait_progress(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every background transfer (and the ones their acks start) to finish."""

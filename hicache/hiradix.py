@@ -4,11 +4,12 @@ Tier states of a node: device only, device + host, host only. A node on neither 
 L3 presence is not mirrored in the tree; it is asked of the backend when a request arrives.
 
 This module holds the tree operations: match, acquire (with load-back), insert (with the write
-policies) and evict. Its parts live apart: the prefetch state machine in `hicache.prefetch`, ack
-application in `hicache.acks`, occupancy and invariant checks in `hicache.integrity` (which lists
-the invariants), page digests in `hicache.keys`, eviction candidates in `hicache.eviction`, cache
-events in `hicache.emit`, and construction of pools, codec, backend and controller in
-`hicache.wiring`.
+policies) and evict. Its parts live apart: state, construction and lifecycle in
+`hicache.cache_state` (the base class), the prefetch state machine in `hicache.prefetch`, ack
+application in `hicache.acks`, the buffer_only host mode in `hicache.staging`, occupancy and
+invariant checks in `hicache.integrity` (which lists the invariants), page digests in
+`hicache.keys`, eviction candidates in `hicache.eviction`, cache events in `hicache.emit`, and
+construction helpers in `hicache.wiring`.
 
 Only one thread (the owner: the engine's scheduler) calls into this object. Background transfers
 run in `TransferController`; their results are applied in `poll()`.
@@ -141,8 +142,11 @@ class HiRadixCache(CacheState):
                         if x.host_value is None:
                             self._write_backup(x)
                         break
-        if host_nodes and cfg.host_memory_mode == "buffer_only":
-            trim(self, host_nodes[::-1])  # staged pages: on the device now, or not used
+        if cfg.host_memory_mode == "buffer_only":
+            # Staged copies: loaded (or not used), or of prefix pages that are in L3 (a pin
+            # held them when their backup was acked). Never a copy a write is still filling.
+            loaded_or_unused = set(map(id, host_nodes))
+            trim(self, [x for x in reversed(nodes) if id(x) in loaded_or_unused or x.stored])
         storage_hit = min(from_storage, loaded)
         host_hit = loaded - storage_hit
         pages: list[int] = []

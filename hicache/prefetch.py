@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hicache.controller import PrefetchOp
 from hicache.keys import page_keys
 from hicache.radix import Tokens, common_pages
+from hicache.staging import trim_path
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -116,6 +117,7 @@ class Prefetcher:
             c.counters.prefetch_skipped += 1
             del self.pending[probe.request_id]
             c.unpinned(c.tree.dec_host_ref(probe.anchor))
+            trim_path(c, probe.anchor)
             return
         op = PrefetchOp(
             request_id=probe.request_id,
@@ -160,6 +162,7 @@ class Prefetcher:
         op.cancelled = True
         op.stop.set()
         self.c.unpinned(self.c.tree.dec_host_ref(op.anchor))
+        trim_path(self.c, op.anchor)
         if op.done.is_set() and not is_probe(op):
             self.released(op)
 
@@ -195,7 +198,7 @@ class Prefetcher:
             c.counters.prefetch_revoked_pages += len(dups)
         c.host_inflight[id(op)] = op.host_pages[take:]
         self.held -= take
-        c.unpinned(c.tree.dec_host_ref(op.anchor))
+        c.unpinned(c.tree.dec_host_ref(op.anchor))  # (acquire trims staged copies after this)
         if op.done.is_set():
             self.released(op)
         return new_tokens
@@ -249,16 +252,17 @@ class Prefetcher:
 class ProbingTransfer:
     """The `Transfer` the controller runs prefetches through. A probe (a `PrefetchOp` with no
     host pages) asks L3 which leading pages it has, batch by batch, on the prefetch worker, and
-    counts them in `op.completed`; a fetch reads as `inner` does."""
+    counts them in `op.completed`; a fetch reads as `inner` does. The controller reaches
+    `inner` directly for device <-> host copies and pipelined reads."""
 
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.inner.device_to_host(device_pages, host_pages)
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
+        return self.inner.device_to_host(device_pages, host_pages)
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        self.inner.host_to_device(host_pages, device_pages)
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
+        return self.inner.host_to_device(host_pages, device_pages)
 
     def exists(self, keys: Sequence[str]) -> int:
         return self.inner.exists(keys)

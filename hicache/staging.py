@@ -28,6 +28,13 @@ def trim(c: CacheOwner, nodes: list[TreeNode]) -> None:
         c.set_host(x, None)
 
 
+def trim_path(c: CacheOwner, node: TreeNode) -> None:
+    """In buffer_only mode, after a pin on `node`'s path went away: drop the staged copies on
+    that path whose pages are in L3."""
+    if c.config.host_memory_mode == "buffer_only" and not node.removed:
+        trim(c, [x for x in c.tree.path(node) if x.stored])
+
+
 def _remove_host_only(c: CacheOwner, node: TreeNode) -> None:
     """Remove host-only `node` and its (host-only, unpinned) subtree."""
     order: list[TreeNode] = []

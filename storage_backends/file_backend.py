@@ -22,8 +22,9 @@ key                   meaning                                             defaul
 ``capacity_bytes``    byte cap over the pages this object knows; 0: none  0
 ``fsync``             ``none`` | ``data`` (fdatasync the file) |           ``none``
                       ``always`` (fsync the file and its directory)
-``o_direct``          use O_DIRECT where buffer address and length are    false
-                      4 KiB aligned (buffered I/O otherwise)
+``o_direct``          use O_DIRECT where the buffer's address is 4 KiB    false
+                      aligned (buffered I/O otherwise)
+``read_threads``      threads that read (and check) one batch             4
 ``scan_on_start``     build the index from the directory at start-up      true
 ``stale_tmp_s``       age after which any temp file is removed at          3600
                       start-up (a temp file of a dead local pid goes now)
@@ -55,7 +56,6 @@ from storage_backends.file_io import (
     DIRECT_ALIGN,
     O_DIRECT,
     address,
-    aligned,
     publish,
     read_file,
 )
@@ -66,6 +66,8 @@ KNOWN_KEYS = (
     "path", "capacity_bytes", "fsync", "o_direct", "read_threads", "scan_on_start", "stale_tmp_s"
 )
 DEFAULT_READ_THREADS = 4
+# A thread hand-off costs tens of microseconds: smaller batches are read by the caller alone.
+PARALLEL_READ_BYTES = 256 << 10
 FSYNC_POLICIES = ("none", "data", "always")
 _HEX_KEY = re.compile(r"[0-9a-f]{8,128}")
 _PAGE_NAME = re.compile(r"(?:[0-9a-f]{8,128}|x[0-9a-f]{64})")
@@ -125,6 +127,7 @@ class FileBackend(StorageBackend):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self.direct_reads = 0  # reads done with O_DIRECT (for tests and tuning)
+        self.direct_writes = 0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -299,15 +302,16 @@ class FileBackend(StorageBackend):
         self, keys: Sequence[str], out: Sequence[memoryview], *, check: bool
     ) -> list[Checked]:
         """Read `keys` into `out` with up to `read_threads` threads (contiguous slices of the
-        batch; the caller's thread takes the first)."""
+        batch, at least `PARALLEL_READ_BYTES` each; the caller's thread takes the first)."""
         n = len(keys)
+        total = sum(memoryview(o).nbytes for o in out)
         res: list[Checked] = [_MISSING] * n
 
         def work(lo: int, hi: int) -> None:
             for i in range(lo, hi):
                 res[i] = self._read_one(keys[i], byte_view(out[i]), check)
 
-        parts = min(self.read_threads, n)
+        parts = max(1, min(self.read_threads, n, total // PARALLEL_READ_BYTES))
         bounds = [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
         futures = [self._executor().submit(work, lo, hi) for lo, hi in bounds[1:]]
         try:
@@ -400,7 +404,7 @@ class FileBackend(StorageBackend):
         tmp = os.path.join(
             shard, f".{name}.{self._host}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}"
         )
-        direct = self.o_direct and aligned(src)
+        direct = self.o_direct and len(src) > 0 and address(src) % DIRECT_ALIGN == 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644)
@@ -415,7 +419,12 @@ class FileBackend(StorageBackend):
                 raise
             self._disable_direct(e)
             fd = os.open(tmp, flags, 0o644)
-        publish(fd, tmp, os.path.join(shard, name), src, self.fsync)
+        refused = publish(fd, tmp, os.path.join(shard, name), src, self.fsync, direct)
+        if refused is not None:
+            self._disable_direct(refused)
+        elif direct:
+            with self._lock:
+                self.direct_writes += 1
 
     def _unlink_all(self, names: Sequence[str]) -> int:
         n = 0

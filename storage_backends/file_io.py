@@ -1,14 +1,16 @@
 """Low-level reads for the `file` backend: readinto a caller's buffer, buffered or O_DIRECT.
 
 O_DIRECT needs the buffer address, the file offset and the length 4 KiB-aligned; a record is
-rarely a whole number of blocks, so `read_direct` reads the aligned bulk straight into the
-caller's (aligned) buffer and only the last partial block through a small aligned bounce buffer.
+rarely a whole number of blocks, so `read_direct` / `write_direct` move the aligned bulk straight
+between the file and the caller's (aligned) buffer and only the last partial block through a
+small aligned bounce buffer (a write then cuts the file back to the record's length).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -21,11 +23,6 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
-
-
-def aligned(mv: memoryview) -> bool:
-    n = len(mv)
-    return n > 0 and n % DIRECT_ALIGN == 0 and address(mv) % DIRECT_ALIGN == 0
 
 
 def read_buffered(fd: int, dst: memoryview) -> int:
@@ -99,15 +96,53 @@ def read_file(path: str, dst: memoryview, direct: bool) -> tuple[int, OSError | 
         os.close(fd)
 
 
-def publish(fd: int, tmp: str, final: str, src: memoryview, fsync: str) -> None:
-    """Write `src` to the new temp file `tmp` (open as `fd`, closed here), sync it per `fsync`
-    ("none" | "data" | "always": file and directory) and rename it to `final`. Raises OSError
-    after removing `tmp`."""
+def write_direct(fd: int, src: memoryview) -> None:
+    """Write `src` (at a 4 KiB-aligned address) to the new, empty O_DIRECT file `fd`: whole
+    blocks straight from `src`, a last partial block through a zero-padded aligned bounce
+    buffer, then the file cut back to `len(src)`."""
+    size = len(src)
+    bulk = size - size % DIRECT_ALIGN
+    off = 0
+    while off < bulk:
+        off += os.pwritev(fd, [src[off:bulk]], off)
+    if off < size:
+        tail = size - off
+        bounce = _bounce()
+        bounce[:tail] = src[off:]
+        bounce[tail:] = bytes(DIRECT_ALIGN - tail)
+        if os.pwritev(fd, [bounce], off) != DIRECT_ALIGN:
+            raise OSError(errno.EIO, "short O_DIRECT write")
+        os.ftruncate(fd, size)
+
+
+def _write_buffered(fd: int, src: memoryview) -> None:
+    off = 0
+    while off < len(src):
+        off += os.pwrite(fd, src[off:], off)
+
+
+def publish(
+    fd: int, tmp: str, final: str, src: memoryview, fsync: str, direct: bool = False
+) -> OSError | None:
+    """Write `src` to the new temp file `tmp` (open as `fd`, with O_DIRECT when `direct`;
+    closed here), sync it per `fsync` ("none" | "data" | "always": file and directory) and
+    rename it to `final`. Returns the error with which the file system refused O_DIRECT (the
+    write was then redone buffered), else None. Raises OSError after removing `tmp`."""
+    refused: OSError | None = None
     try:
         try:
-            off = 0
-            while off < len(src):
-                off += os.write(fd, src[off:])
+            if direct:
+                try:
+                    write_direct(fd, src)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    refused = e
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+                    os.ftruncate(fd, 0)
+                    _write_buffered(fd, src)
+            else:
+                _write_buffered(fd, src)
             if fsync == "data":
                 os.fdatasync(fd)
             elif fsync == "always":
@@ -125,3 +160,4 @@ def publish(fd: int, tmp: str, final: str, src: memoryview, fsync: str) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    return refused

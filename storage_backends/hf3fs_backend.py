@@ -26,26 +26,25 @@ through POSIX `pread`/`pwrite` into/out of the caller's buffers (no intermediate
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hicache.backend import BackendStats, Checked, StorageBackend, StorageConfig
 from hicache.errors import ConfigError, StorageError
-from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import as_bool, byte_view, check_known_keys, leading_run
+from storage_backends.hf3fs_meta import SCHEMA, chunks, load_config, pid_alive
 from storage_backends.hf3fs_usrbio import Usrbio
 
 logger = logging.getLogger(__name__)
 
-CONFIG_ENV = "HICACHE_HF3FS_CONFIG_PATH"
 KNOWN_KEYS = (
     "mount_path",
     "file_size",
@@ -58,39 +57,6 @@ KNOWN_KEYS = (
 )
 DEFAULT_FILE_SIZE = 1 << 30
 DEFAULT_SLOT_BYTES = (1 << 20) + 4096
-_SQL_CHUNK = 500  # keys per `IN (...)` query (SQLite's variable limit is 32766)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (file TEXT PRIMARY KEY, slot_bytes INTEGER, nslots INTEGER,
-                                  hwm INTEGER);
-CREATE TABLE IF NOT EXISTS pages (key TEXT PRIMARY KEY, file TEXT, slot INTEGER,
-                                  length INTEGER, seq INTEGER, atime INTEGER);
-CREATE INDEX IF NOT EXISTS pages_lru ON pages (file, atime);
-CREATE TABLE IF NOT EXISTS free (file TEXT, slot INTEGER, PRIMARY KEY (file, slot));
-CREATE TABLE IF NOT EXISTS pending (file TEXT, slot INTEGER, host TEXT, pid INTEGER,
-                                    PRIMARY KEY (file, slot));
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER);
-"""
-
-
-def load_config(config: StorageConfig) -> dict[str, Any]:
-    """Extra config if it names a mount, else the JSON file at `HICACHE_HF3FS_CONFIG_PATH`."""
-    extra = dict(config.extra)
-    if "mount_path" not in extra and os.environ.get(CONFIG_ENV):
-        path = os.environ[CONFIG_ENV]
-        try:
-            extra = {**json.loads(Path(path).read_text()), **extra}
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"hf3fs: cannot read {CONFIG_ENV}={path}: {e}") from e
-    if not extra.get("mount_path"):
-        raise ConfigError(f"hf3fs: set extra config 'mount_path' or {CONFIG_ENV}")
-    return extra
-
-
-def _chunks(items: Sequence[str], n: int = _SQL_CHUNK) -> list[Sequence[str]]:
-    return [items[i : i + n] for i in range(0, len(items), n)]
-
-
 class HF3FSBackend(StorageBackend):
     """Fixed-slot page files on a 3FS mount with a shared SQLite index.
 
@@ -195,7 +161,7 @@ class HF3FSBackend(StorageBackend):
 
     def _prepare_file(self) -> None:
         conn = self._db()
-        conn.executescript(_SCHEMA)
+        conn.executescript(SCHEMA)
         path = self.root / self.file
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -217,7 +183,7 @@ class HF3FSBackend(StorageBackend):
                 "SELECT file, slot, pid FROM pending WHERE host = ?", (self._host,)
             ).fetchall()
             for file, slot, pid in rows:
-                if not _pid_alive(pid):
+                if not pid_alive(pid):
                     c.execute("DELETE FROM pending WHERE file = ? AND slot = ?", (file, slot))
                     c.execute("INSERT OR IGNORE INTO free VALUES (?, ?)", (file, slot))
 
@@ -241,8 +207,12 @@ class HF3FSBackend(StorageBackend):
 
     # -- I/O -------------------------------------------------------------------------------
 
-    def _io(self, ios: list[tuple[str, int, memoryview]], read: bool) -> list[int]:
-        """(file, slot, buffer) per page: bytes moved per page (-1 on an OS error)."""
+    def _io(
+        self, ios: list[tuple[str, int, memoryview]], read: bool,
+        then: Callable[[int, int], None] | None = None,
+    ) -> list[int]:
+        """(file, slot, buffer) per page: bytes moved per page (-1 on an OS error). `then(j,
+        n)` runs right after I/O j, in the thread that did it (the reads' record checks)."""
         if not ios:
             return []
         if self._usrbio is not None:
@@ -252,30 +222,36 @@ class HF3FSBackend(StorageBackend):
                 for i in range(0, len(ios), step):
                     part = [(self._fd(f), s * self.slot_bytes, b) for f, s, b in ios[i : i + step]]
                     out.extend(self._usrbio.run(part, read))
+                if then is not None:
+                    for j, n in enumerate(out):
+                        then(j, n)
                 return out
             except Exception as e:  # noqa: BLE001 - never lose a page to the fast path
                 logger.warning("hf3fs: usrbio failed (%s); falling back to POSIX I/O", e)
                 self._usrbio = None
 
-        def one(item: tuple[str, int, memoryview]) -> int:
-            file, slot, buf = item
+        def one(j: int) -> int:
+            file, slot, buf = ios[j]
             fd = self._fd(file)
             off = slot * self.slot_bytes
             try:
                 if read:
-                    return os.preadv(fd, [buf], off)
-                n = os.pwrite(fd, buf, off)
-                if self.fsync:
-                    os.fdatasync(fd)
-                return n
+                    n = os.preadv(fd, [buf], off)
+                else:
+                    n = os.pwrite(fd, buf, off)
+                    if self.fsync:
+                        os.fdatasync(fd)
             except OSError as e:
                 logger.warning("hf3fs: %s of %s slot %d failed: %s",
                                "read" if read else "write", file, slot, e)
-                return -1
+                n = -1
+            if then is not None:
+                then(j, n)
+            return n
 
         if len(ios) == 1 or self.numjobs == 1:
-            return [one(x) for x in ios]
-        return list(self._pool.map(one, ios))
+            return [one(j) for j in range(len(ios))]
+        return list(self._pool.map(one, range(len(ios))))
 
     # -- StorageBackend --------------------------------------------------------------------
 
@@ -283,7 +259,7 @@ class HF3FSBackend(StorageBackend):
         conn = self._db()
         found: dict[str, tuple[Any, ...]] = {}
         try:
-            for part in _chunks(keys):
+            for part in chunks(keys):
                 q = f"SELECT key, {cols} FROM pages WHERE key IN ({','.join('?' * len(part))})"
                 for row in conn.execute(q, list(part)):
                     found[row[0]] = tuple(row[1:])
@@ -300,8 +276,15 @@ class HF3FSBackend(StorageBackend):
         return leading_run([k in present for k in keys])
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        return [r.length for r in self._read(keys, out, check=False)]
+
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        # Each record is checked by the I/O thread that read it, right after its read.
+        return self._read(keys, out, check=True)
+
+    def _read(self, keys: Sequence[str], out: Sequence[memoryview], check: bool) -> list[Checked]:
         where = self._lookup(keys, "file, slot, length, seq")
-        result = [-1] * len(keys)
+        result = [Checked(-1, None)] * len(keys)
         ios: list[tuple[str, int, memoryview]] = []
         idx: list[int] = []
         for i, (k, buf) in enumerate(zip(keys, out)):
@@ -310,28 +293,34 @@ class HF3FSBackend(StorageBackend):
                 continue
             file, slot, length, _seq = loc
             dst = byte_view(buf)
-            if length != len(dst):
-                result[i] = int(length)  # a size mismatch: the base class drops it as corrupt
+            if length != len(dst):  # a size mismatch: dropped as corrupt
+                result[i] = Checked(length, self.check_record(k, length, dst) if check else None)
                 continue
             ios.append((file, slot, dst))
             idx.append(i)
-        moved = self._io(ios, read=True)
+        problems: list[str | None] = [None] * len(ios)
+
+        def checked(j: int, n: int) -> None:
+            if n == len(ios[j][2]):
+                problems[j] = self.check_record(keys[idx[j]], n, ios[j][2])
+
+        moved = self._io(ios, read=True, then=checked if check else None)
         # A slot evicted and rewritten by another process while we read it is a plain miss.
         again = self._lookup([keys[i] for i in idx], "file, slot, length, seq")
         hits: list[str] = []
-        for i, n in zip(idx, moved):
+        for j, (i, n) in enumerate(zip(idx, moved)):
             k = keys[i]
             if again.get(k) != where[k] or n != where[k][2]:
                 if n < 0:
                     self._count(errors=1)
                 continue
-            result[i] = n
+            result[i] = Checked(n, problems[j])
             hits.append(k)
         if hits:
             now = time.time_ns()
 
             def touch(c: sqlite3.Connection) -> None:
-                for part in _chunks(hits):
+                for part in chunks(hits):
                     c.execute(
                         f"UPDATE pages SET atime = ? WHERE key IN ({','.join('?' * len(part))})",
                         [now, *part],
@@ -435,7 +424,7 @@ class HF3FSBackend(StorageBackend):
 
         def drop(c: sqlite3.Connection) -> int:
             n = 0
-            for part in _chunks(keys):
+            for part in chunks(keys):
                 marks = ",".join("?" * len(part))
                 rows = c.execute(
                     f"SELECT file, slot FROM pages WHERE key IN ({marks})", list(part)
@@ -482,12 +471,3 @@ class HF3FSBackend(StorageBackend):
             conn.close()
         self._local = threading.local()
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

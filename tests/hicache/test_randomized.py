@@ -111,3 +111,16 @@ def test_simulated_buffer_only_sequences(page_size, write_policy, ops):
     run_ops(cache, ops, page_size)
     # Nothing is cached in host memory once every transfer is done.
     assert [n for n in cache.tree.nodes() if n.host_value is not None] == []
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30))
+def test_threaded_buffer_only_sequences(write_policy, ops):
+    cache = tensor_cache(page_size=4, device_pages=12, host_pages=10, write_policy=write_policy,
+                         host_memory_mode="buffer_only", prefetch_policy="wait_complete")
+    try:
+        run_ops(cache, ops, 4)
+        assert [n for n in cache.tree.nodes() if n.host_value is not None] == []
+    finally:
+        cache.close()

@@ -279,3 +279,21 @@ def test_record_checker_reports_absent_and_wrong_length() -> None:
     assert res[0] == Checked(len(rec), None)
     assert res[1] == Checked(-1, None)  # never added: absent
     assert res[2].length == len(rec) + 5 and "expected" in (res[2].problem or "")
+
+
+def test_hicache_storage_keeps_every_name() -> None:
+    """Code written against the one-module `hicache.storage` keeps importing from it."""
+    import hicache.backend
+    import hicache.codec
+    import hicache.registry
+    import hicache.storage as storage
+
+    for name in ("BackendStats", "StorageBackend", "StorageConfig", "Checked"):
+        assert getattr(storage, name) is getattr(hicache.backend, name)
+    for name in ("PageCodec", "verify_record", "key_digest", "RecordHeader", "HEADER_BYTES",
+                 "RECORD_MAGIC", "RECORD_VERSION", "DTYPE_CODES", "LAYOUT_CODES"):
+        assert getattr(storage, name) is getattr(hicache.codec, name)
+    for name in ("create_backend", "get_backend_class", "known_backends", "register_backend",
+                 "ENTRY_POINT_GROUP", "BackendFactory"):
+        assert getattr(storage, name) is getattr(hicache.registry, name)
+    assert storage.create_backend("memory", StorageConfig()).name == "memory"

@@ -16,7 +16,12 @@ import torch
 
 from hicache.errors import ConfigError
 from hicache.storage import HEADER_BYTES, StorageConfig
-from storage_backends.file_backend import FileBackend, default_dir, page_name
+from storage_backends.file_backend import (
+    PARALLEL_READ_BYTES,
+    FileBackend,
+    default_dir,
+    page_name,
+)
 from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +137,7 @@ def test_o_direct_aligned_or_fallback(tmp_path: Path, payload: int) -> None:
     recs = make_records(codec, keys)
     # Records in 4 KiB-aligned host memory (the case O_DIRECT can take).
     n = codec.record_bytes
-    src_views = _aligned_views(2, n)
+    src_views = [_aligned_views(1, n)[0] for _ in range(2)]
     for v, r in zip(src_views, recs):
         v[:] = r
     assert b.batch_set(keys, src_views) == [True, True]
@@ -141,23 +146,28 @@ def test_o_direct_aligned_or_fallback(tmp_path: Path, payload: int) -> None:
     assert b.batch_get(keys, out) == [True, True]
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
     assert b.stats().errors == 0
+    assert [b.path_of(k).stat().st_size for k in keys] == [n, n]
     if _fs_takes_o_direct(tmp_path):
-        # Whole blocks straight into `out`; a partial last block (payload 5000) via a bounce.
-        assert (b.o_direct, b.direct_reads) == (True, 2)
+        # Whole blocks straight from / into the buffers; a partial last block (payload 5000)
+        # through a bounce buffer (the write's padding cut off again).
+        assert (b.o_direct, b.direct_writes, b.direct_reads) == (True, 2, 2)
     else:
-        assert (b.o_direct, b.direct_reads) == (False, 0)
+        assert (b.o_direct, b.direct_writes, b.direct_reads) == (False, 0, 0)
 
 
-def test_o_direct_unaligned_buffer_reads_buffered(tmp_path: Path) -> None:
+def test_o_direct_unaligned_buffers_use_buffered_io(tmp_path: Path) -> None:
     b = fb(tmp_path, o_direct=True)
     codec = make_codec(3 * 4096)
     keys = make_keys(2)
     recs = make_records(codec, keys)
-    assert b.batch_set(keys, views(recs)) == [True, True]
-    out = [v[1:] for v in _aligned_views(2, codec.record_bytes + 1)]  # never 4 KiB-aligned
+    src = [v[1:] for v in _aligned_views(2, codec.record_bytes + 1)]  # never 4 KiB-aligned
+    for v, r in zip(src, recs):
+        v[:] = r
+    assert b.batch_set(keys, src) == [True, True]
+    out = [v[1:] for v in _aligned_views(2, codec.record_bytes + 1)]
     assert b.batch_get(keys, out) == [True, True]
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
-    assert (b.direct_reads, b.stats().errors) == (0, 0)
+    assert (b.direct_writes, b.direct_reads, b.stats().errors) == (0, 0, 0)
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
@@ -179,7 +189,8 @@ def test_o_direct_refused_by_the_file_system_falls_back(tmp_path: Path) -> None:
         out = _aligned_views(3, codec.record_bytes)
         assert b.batch_get(keys, out) == [True] * 3
         assert [bytes(o) for o in out] == [bytes(r) for r in recs]
-        assert (b.o_direct, b.direct_reads, b.stats().errors) == (False, 0, 0)
+        assert (b.o_direct, b.direct_writes, b.direct_reads, b.stats().errors) == (
+            False, 0, 0, 0)
 
 
 class _WhoReads(FileBackend):
@@ -202,7 +213,7 @@ class _WhoReads(FileBackend):
 def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None:
     b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4},
                                 namespace=NAMESPACE.hex()))
-    codec = make_codec(20000)
+    codec = make_codec(PARALLEL_READ_BYTES)  # 8 x 256 KiB: four slices of two pages
     keys = make_keys(8)
     recs = make_records(codec, keys)
     assert b.batch_set(keys, views(recs)) == [True] * 8
@@ -226,6 +237,21 @@ def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None
     st = b.stats()
     assert (st.get_pages, st.get_hits, st.corrupt_pages, st.errors) == (8, 7, 1, 0)
     assert not bad.exists()  # the corrupt page was deleted
+    b.close()
+
+
+def test_small_batches_are_read_by_the_caller(tmp_path: Path) -> None:
+    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path)}, namespace=NAMESPACE.hex()))
+    codec = make_codec(PARALLEL_READ_BYTES // 4)  # 8 records: two slices' worth of bytes
+    keys = make_keys(8)
+    assert b.batch_set(keys, views(make_records(codec, keys))) == [True] * 8
+    assert b.batch_get(keys, buffers(8, codec.record_bytes)) == [True] * 8
+    assert [b.read_by[k] for k in keys[:4]] == ["MainThread"] * 4
+    assert all(b.read_by[k].startswith("hicache-file-read") for k in keys[4:])
+    # Three records are less than one slice's worth: all read (and checked) by the caller.
+    assert b.batch_get(keys[5:], buffers(3, codec.record_bytes)) == [True] * 3
+    assert [b.read_by[k] for k in keys[5:]] == ["MainThread"] * 3
+    assert b.checked_by == b.read_by
     b.close()
 
 

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +67,32 @@ def test_corrupt_record_is_a_counted_miss_and_deleted(tmp_path: Path) -> None:
         assert b.batch_get([key(3)], buffers(1)) == [False]
         assert b.stats().corrupt_pages == 1
         assert b.batch_exists([key(3)]) == 0
+
+
+class _WhoChecks(HF3FSBackend):
+    def __init__(self, cfg: StorageConfig) -> None:
+        super().__init__(cfg)
+        self.checked_by: dict[str, str] = {}
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        self.checked_by[key] = threading.current_thread().name
+        return super().check_record(key, length, buf)
+
+
+def test_records_are_checked_by_the_io_threads_that_read_them(tmp_path: Path) -> None:
+    with _WhoChecks(config(hf3fs_config(tmp_path, numjobs=4))) as b:
+        keys = [key(i) for i in range(6)]
+        recs = [record(i) for i in range(6)]
+        recs[4][-1] ^= 0x01
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 6
+        out = buffers(6)
+        assert b.batch_get(keys, out) == [True] * 4 + [False, True]
+        assert [bytes(o) for i, o in enumerate(out) if i != 4] == [
+            bytes(r) for i, r in enumerate(recs) if i != 4]
+        assert sorted(b.checked_by) == keys
+        assert all(t.startswith("hf3fs-io") for t in b.checked_by.values())
+        st = b.stats()
+        assert (st.get_hits, st.corrupt_pages, st.stored_pages) == (5, 1, 5)
 
 
 def test_oversized_record_is_refused(tmp_path: Path) -> None:
@@ -190,10 +218,10 @@ def test_slot_rewritten_by_another_process_during_a_read_is_a_plain_miss(tmp_pat
         assert a.batch_set([key(1)], [memoryview(record(1))]) == [True]
         real_io = a._io
 
-        def racing_io(ios: list, read: bool) -> list[int]:
+        def racing_io(ios: list, read: bool, then: Any = None) -> list[int]:
             if read:  # between a's index look-up and its read, the only slot changes hands
                 assert other.batch_set([key(2)], [memoryview(record(2))]) == [True]
-            return real_io(ios, read)
+            return real_io(ios, read, then)
 
         a._io = racing_io  # type: ignore[method-assign]
         assert a.batch_get([key(1)], buffers(1)) == [False]

@@ -4,47 +4,25 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from hicache import units
 from hicache.errors import ConfigError
 
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_TOKEN_UNITS = {"": 1, "t": 1, "tok": 1, "tokens": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_PAGE_UNITS = {"p": 1, "page": 1, "pages": 1}
 _UNBOUNDED = {"unbounded", "inf", "infinite", "unlimited"}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str) -> tuple[str, float] | None:
     """`'2GiB'` -> ('bytes', 2147483648); `'4096'`/`'4k'` -> ('tokens', ...); `'64p'` ->
-    ('pages', 64); `'unbounded'` -> None."""
+    ('pages', 64); `'unbounded'` -> None. The units are `hicache.units.parse_size`'s, with a
+    bare number counting tokens."""
     if text.strip().lower() in _UNBOUNDED:
         return None
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(
-            f"bad size {text!r}: use tokens (4096, 2M), pages (64p), bytes "
-            "(2GiB, 500MB) or 'unbounded'"
-        )
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if unit in _TOKEN_UNITS:
-        return ("tokens", value * _TOKEN_UNITS[unit])
-    if unit in _PAGE_UNITS:
-        return ("pages", value)
-    if unit in _BYTE_UNITS:
-        return ("bytes", value * _BYTE_UNITS[unit])
-    raise ConfigError(f"bad size unit {m.group(2)!r} in {text!r}")
+    try:
+        size = units.parse_size(text, bare="tokens")
+    except ConfigError as e:
+        raise ConfigError(f"bad size: {e}; or 'unbounded'") from None
+    return (size.unit, size.value)
 
 
 def to_pages(
@@ -99,4 +77,4 @@ def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
     dtype = kv_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"unknown KV dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
-    return float(2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype])
+    return float(units.kv_bytes_per_token(layers, kv_heads, head_dim, _DTYPE_BYTES[dtype]))
