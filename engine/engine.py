@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,7 @@ from engine.demo_model import ensure_demo_model
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model, model_fingerprint
 from engine.req import Req
+from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -31,6 +32,9 @@ from hicache.hiradix import HiRadixCache
 from hicache.keys import namespace_seed
 from hicache.pools import dtype_name
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +124,7 @@ class Engine:
             random_seed=args.random_seed, request_log=args.request_log,
         )
         self._closed = False
+        self._grammar_compiler: GrammarCompiler | None = None
         self.max_total_tokens = num_pages * ps
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv=%d tokens cache=%s",
@@ -161,9 +166,16 @@ class Engine:
         input_ids: Sequence[int] | None = None,
         rid: str | None = None,
         extra_key: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> str:
         """Queue a request; returns its id. Raises `ValueError` for an empty prompt, one longer
-        than the context or than the whole device pool (it could never be served)."""
+        than the context or than the whole device pool (it could never be served), a token id
+        of `logit_bias` / `stop_token_ids` outside the vocabulary, or a structured-output spec
+        that does not compile. `return_logprob`: logprobs of the output tokens (and of the
+        prompt from token `logprob_start_len` on, -1: none) with `top_logprobs_num`
+        alternatives each, in the updates of `step()` (engine.req_logprobs)."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         params = SamplingParams.from_any(sampling_params)
@@ -191,9 +203,27 @@ class Engine:
         room = self.context_length - len(ids)
         if params.max_new_tokens > room:
             params = replace(params, max_new_tokens=room)
-        rid = rid or uuid.uuid4().hex
-        self.scheduler.add(Req(rid=rid, prompt=ids, params=params, extra_key=extra_key))
-        return rid
+        params.check_vocab(vocab)
+        req = Req(rid=rid or uuid.uuid4().hex, prompt=ids, params=params, extra_key=extra_key)
+        if return_logprob:
+            req.logprobs = ReqLogprobs.make(top_logprobs_num, logprob_start_len, len(ids))
+        if params.grammar is not None:
+            req.matcher = self._grammars().matcher(*params.grammar)
+        self.scheduler.add(req)
+        return req.rid
+
+    def _grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, made on first use (engine.grammar). JSON output is
+        compact (no whitespace but `", "` and `": "`, vLLM's `disable-any-whitespace`): a weak
+        model cannot pad a JSON value with whitespace until max_tokens."""
+        if self._grammar_compiler is None:
+            from engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                any_whitespace=False,
+            )
+        return self._grammar_compiler
 
     def step(self) -> list[dict[str, Any]]:
         """Run one batch; return one update per request with news:
@@ -214,6 +244,8 @@ class Engine:
                     "text_delta": req.detok.take() if req.detok is not None else "",
                     "finished": req.finished,
                     "meta_info": self._meta(req),
+                    # New logprobs since the previous update (engine.req_logprobs), or None.
+                    "logprobs": req.logprobs.take() if req.logprobs is not None else None,
                 }
             )
         return out

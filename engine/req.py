@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.detokenizer import TextStream
+from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
 from hicache.prefix_cache import Acquired
 from hicache.radix import TreeNode
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 FinishReason = dict[str, Any]
 
@@ -37,6 +41,8 @@ class Req:
     sent_tokens: int = 0  # output tokens already reported by step()
     first_token_time: float | None = None
     retractions: int = 0
+    logprobs: ReqLogprobs | None = None  # logprobs asked for (engine.req_logprobs)
+    matcher: Matcher | None = None  # structured-output grammar state (engine.grammar)
 
     @property
     def tokens(self) -> list[int]:
@@ -45,3 +51,16 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def match_len(self) -> int:
+        """Leading tokens the cache may serve: all but the last (its logits are needed), fewer
+        while prompt logprobs are pending (engine.req_logprobs)."""
+        n = len(self.prompt) + len(self.output) - 1
+        return self.logprobs.cache_limit(n) if self.logprobs is not None else n
+
+    def settle_load(self) -> None:
+        """Pages loaded back for this request may be given back before a forward read them
+        (abort, no room): make later work wait for their layer-wise load first."""
+        if self.admission is not None and self.admission.load is not None:
+            self.admission.load.wait_all()

@@ -26,10 +26,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.batch_ops import forward_prefill, sample_reqs
 from engine.detokenizer import TextStream
 from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
-from engine.sampling import sample
+from engine.sampling import Sampler
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
 from hicache.transfer import merge_wait_layer
 
@@ -71,6 +72,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.decode_text = decode
         self.seed_gen = torch.Generator().manual_seed(random_seed)
+        self.sampler = Sampler(eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -98,7 +100,7 @@ class Scheduler:
         self.finished_updates = [r for r in self.finished_updates if r.rid != req.rid]
         self.waiting.append(req)
         # Storage prefetch starts now and overlaps with the queueing time.
-        self.cache.prefetch(req.rid, req.prompt[:-1], extra_key=req.extra_key)
+        self.cache.prefetch(req.rid, req.prompt[: req.match_len], extra_key=req.extra_key)
 
     def abort(self, rid: str) -> bool:
         """Abort a request now, idle or not: it leaves the queues, its pages and locks are given
@@ -151,7 +153,7 @@ class Scheduler:
         reqs = list(self.waiting)
         if self.policy == "lpm" and len(reqs) <= 256:
             def hit(r: Req) -> int:
-                m = self.cache.match_prefix(r.tokens[:-1], extra_key=r.extra_key)
+                m = self.cache.match_prefix(r.tokens[: r.match_len], extra_key=r.extra_key)
                 return int(m.device_tokens + m.host_tokens)
 
             # Stable: equal matches keep arrival order. Retracted requests stay first.
@@ -162,7 +164,8 @@ class Scheduler:
         """Lock the cached prefix of `req` and take its pages as the head of the page table."""
         tokens = req.tokens
         acq = self.cache.acquire(
-            tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False, layerwise=True
+            tokens[: req.match_len], extra_key=req.extra_key, request_id=req.rid,
+            count=False, layerwise=True,
         )
         req.admission = acq  # counted once the request gets its pages (_prefill_step)
         req.node = acq.node
@@ -189,7 +192,7 @@ class Scheduler:
         one page is enough: the request then proceeds chunk by chunk."""
         ps = self.page_size
         tokens = req.tokens
-        m = self.cache.match_prefix(tokens[:-1], extra_key=req.extra_key)
+        m = self.cache.match_prefix(tokens[: req.match_len], extra_key=req.extra_key)
         matched, host = len(m.device_pages), m.host_tokens // ps
         rest = len(tokens) - matched * ps - host * ps
         need = host + math.ceil(min(rest, budget) / ps)
@@ -204,17 +207,10 @@ class Scheduler:
 
     def _unadmit(self, req: Req) -> None:
         """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
-        self._settle_load(req)
+        req.settle_load()
         if req.node is not None:
             self.cache.release(req.node)
         req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
-
-    @staticmethod
-    def _settle_load(req: Req) -> None:
-        """Pages loaded back for `req` may be given back before a forward read them (abort,
-        no room): make later work wait for their layer-wise load first."""
-        if req.admission is not None and req.admission.load is not None:
-            req.admission.load.wait_all()
 
     def _grow(self, req: Req, n_tokens: int) -> int:
         """Make the page table cover `kv_len + k` tokens for the largest `k <= n_tokens` the pool
@@ -289,12 +285,9 @@ class Scheduler:
                     break  # a partial prompt is continued next step; nothing after it
         if not batch:
             return False
-        seqs = []
-        for req, k in batch:
-            seqs.append((req.tokens[req.kv_len : req.kv_len + k], req.kv_len, req.pages))
         loads = [r.admission.load for r, _ in batch if r.admission and r.admission.load]
         t0 = time.perf_counter()
-        logits = self.runner.forward(seqs, wait_layer=merge_wait_layer(loads))
+        logits = forward_prefill(self.runner, batch, merge_wait_layer(loads))
         self.forward_steps += 1
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)  # time the compute, not its launch
@@ -307,17 +300,14 @@ class Scheduler:
                 self._cache_partial(req)
                 continue
             done.append((i, req))
+        for _, req in done:
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                updated.append(req)
+        done = [(i, r) for i, r in done if r.params.max_new_tokens > 0]
         if done:
-            toks = sample(
-                logits[[i for i, _ in done]],
-                [r.params for _, r in done],
-                [r.generator for _, r in done],
-            )
+            toks = sample_reqs(self.sampler, logits[[i for i, _ in done]], [r for _, r in done])
             for (_, req), tok in zip(done, toks):
-                if req.params.max_new_tokens == 0:
-                    self._finish(req, {"type": "length", "length": 0})
-                    updated.append(req)
-                    continue
                 self.running.append(req)
                 self._append_token(req, tok)
                 updated.append(req)
@@ -379,7 +369,7 @@ class Scheduler:
         self.forward_steps += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        toks = sample_reqs(self.sampler, logits, reqs)
         for req, tok in zip(reqs, toks):
             req.kv_len += 1
             self._append_token(req, tok)
@@ -396,7 +386,14 @@ class Scheduler:
         if req.detok is None:
             req.detok = TextStream(self.decode_text, skip_special_tokens=p.skip_special_tokens,
                                    stop=p.stop)
-        matched = req.detok.push(req.output, check_stop=reason is None)
+        # Stop strings count once min_tokens are out (EOS and stop ids: the sampler holds
+        # them back until then); a grammar that reached its end finishes the request.
+        matched = req.detok.push(
+            req.output, check_stop=reason is None and len(req.output) >= p.min_tokens
+        )
+        if reason is None and matched is None and req.matcher is not None \
+                and req.matcher.terminated:
+            reason = {"type": "stop", "matched": tok}
         if matched is not None:
             reason = {"type": "stop", "matched": matched}
         if reason is None and len(req.output) >= p.max_new_tokens:
@@ -419,7 +416,7 @@ class Scheduler:
         if full > 0:
             self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
         own = req.pages[max(full, req.tree_pages) :]
-        self._settle_load(req)
+        req.settle_load()
         if own:
             self.cache.free_device(own)
         if req.node is not None:

@@ -15,16 +15,29 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine.server import protocol as P
+from engine.server.logprob_format import LogprobTrack
 from engine.server.schemas import ApiError
 
 if TYPE_CHECKING:
-    from engine.server.state import ServerState
+    from engine.server.client import SchedulerClient
+    from engine.server.metrics import ServerMetrics
+
+
+class ServerState(Protocol):
+    """What a generation uses of `engine.server.state.ServerState` (no import of it: the state
+    builds generations, so importing it here would be a circle)."""
+
+    @property
+    def client(self) -> SchedulerClient: ...
+
+    @property
+    def metrics(self) -> ServerMetrics | None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +59,10 @@ class Update:
     completion_tokens: int
     cached_tokens: int
     rid: str  # the client's name of the request (its `rid`) or the engine's id
+    # Logprobs gathered so far (engine.server.logprob_format) and the first output entry new
+    # in this update; None when the request asked for none.
+    logprobs: LogprobTrack | None = None
+    lp_first: int = 0
 
     @property
     def meta_info(self) -> dict[str, Any]:
@@ -71,6 +88,8 @@ class Generation:
     t0: float = field(default_factory=time.monotonic)
     t_last: float | None = None
     first: Any = None
+    logprobs: dict[str, int] | None = None  # GenerateReq.logprobs (engine.server.openai_params)
+    track: LogprobTrack = field(default_factory=LogprobTrack)
 
     def __post_init__(self) -> None:
         self.rid = self.state.client.new_id()
@@ -83,7 +102,7 @@ class Generation:
         try:
             await client.send(P.GenerateReq(rid=self.rid, input_ids=self.input_ids,
                                             sampling_params=self.params,
-                                            extra_key=self.extra_key))
+                                            extra_key=self.extra_key, logprobs=self.logprobs))
             self.first = await self.queue.get()
         except BaseException:
             self.abort()
@@ -121,6 +140,7 @@ class Generation:
                     m.itl.observe(gap)
         if n_new:
             self.t_last = now
+        lp_first = self.track.add(out.logprobs, out.new_token_ids)
         self.output_ids.extend(out.new_token_ids)
         self.text += out.text
         if out.finished:
@@ -133,7 +153,9 @@ class Generation:
                       output_ids=self.output_ids, finished=out.finished,
                       finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                       completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                      rid=self.client_rid or self.rid)
+                      rid=self.client_rid or self.rid,
+                      logprobs=self.track if self.logprobs is not None else None,
+                      lp_first=lp_first)
 
     async def updates(self) -> AsyncIterator[Update]:
         assert self.queue is not None

@@ -12,6 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.server import logprob_format as LF
+from engine.server import openai_params as OP
 from engine.server.generation import (
     Generation,
     Update,
@@ -54,13 +56,15 @@ def _prepare_generate(state: ServerState, body: GenerateBody) -> tuple[list[Any]
             param="sampling_params.max_new_tokens", prompt_len=len(ids),
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, seed=sp.seed, ignore_eos=sp.ignore_eos,
-            skip_special_tokens=sp.skip_special_tokens,
+            skip_special_tokens=sp.skip_special_tokens, extra=OP.generate_sampling(sp),
         )
         out.append((ids, params))
     return out, single
 
 
 def register(app: FastAPI, state: ServerState) -> None:
+    tok_text = LF.make_token_text(state.tokenizer, state._tok_lock)
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body, got = await state.parse(request, GenerateBody,
@@ -75,6 +79,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         gens: list[Generation] = []
         for i, (ids, params) in enumerate(prepared):
             gens += state.samples(ids, params, key, n, i * n, client_rid=body.rid)
+        lp_spec = OP.generate_logprobs(body)
+        for g in gens:
+            g.logprobs = lp_spec
         await start_all(gens)
         many = len(gens) > 1
 
@@ -82,6 +89,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             meta: dict[str, Any] = u.meta_info
             if cached is not None:  # the prompt's hits before this request
                 meta["cached_tokens"] = cached[u.index // n]
+            if u.logprobs is not None:
+                meta.update(LF.sglang_meta(u.logprobs, tok_text if body.return_text_in_logprobs
+                                           else None, prepared[u.index // n][0]))
             out: dict[str, Any] = {"text": u.text, "output_ids": u.output_ids, "meta_info": meta}
             if many:
                 out["index"] = u.index

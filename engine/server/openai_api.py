@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.server import logprob_format as LF
+from engine.server import openai_params as OP
 from engine.server.generation import (
     Generation,
     Update,
@@ -39,7 +41,7 @@ def _params(state: ServerState, body: CompletionBody | ChatBody, prompt_len: int
         max_tokens=max_tokens, param="max_tokens", prompt_len=prompt_len,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos,
-        skip_special_tokens=body.skip_special_tokens,
+        skip_special_tokens=body.skip_special_tokens, extra=OP.openai_sampling(body),
     )
 
 
@@ -82,8 +84,8 @@ def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
     return [(ids, _params(state, body, len(ids), max_tokens))]
 
 
-async def _launch(state: ServerState, prepared: Prepared, n: int,
-                  salt: str | None) -> tuple[list[Generation], list[int]]:
+async def _launch(state: ServerState, prepared: Prepared, n: int, salt: str | None,
+                  logprobs: OP.LogprobSpec | None = None) -> tuple[list[Generation], list[int]]:
     """Start n generations per prompt (after computing each prompt once when n > 1). Returns
     them and, per prompt, the tokens that were cached before this request."""
     cached: list[int] | None = None
@@ -92,6 +94,8 @@ async def _launch(state: ServerState, prepared: Prepared, n: int,
     gens: list[Generation] = []
     for i, (ids, params) in enumerate(prepared):
         gens += state.samples(ids, params, salt, n, i * n)
+    for g in gens:
+        g.logprobs = logprobs
     await start_all(gens)
     return gens, cached if cached is not None else [-1] * len(prepared)
 
@@ -105,8 +109,15 @@ def _usage(prepared: Prepared, n: int, finals: list[Update], cached: list[int]) 
     return usage(prompt, completion, hits)
 
 
+def _new_lp(u: Update) -> bool:
+    """Whether `u` brings output logprobs (or is the first with the prompt's)."""
+    return u.logprobs is not None and (u.lp_first < len(u.logprobs.output)
+                                       or u.logprobs.prompt_start >= 0 and u.lp_first == 0)
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     name = state.model_name
+    tok_text = LF.make_token_text(state.tokenizer, state._tok_lock)
 
     def model_card() -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "hicache",
@@ -131,8 +142,17 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, echoes = got
         n = body.n
-        gens, cached = await _launch(state, prepared, n, body.cache_salt)
+        lp_spec = OP.completion_logprobs(body)
+        gens, cached = await _launch(state, prepared, n, body.cache_salt, lp_spec)
         cid, created = f"cmpl-{gens[0].rid}", int(time.time())
+
+        def logprobs(u: Update, first: int = 0, offset: int = 0,
+                     echo: bool = False) -> dict[str, Any] | None:
+            if u.logprobs is None:
+                return None
+            ids = prepared[u.index // n][0] if echo else None
+            return LF.completion_logprobs(u.logprobs, tok_text, first, ids, offset=offset)
+
         head = {"id": cid, "object": "text_completion", "created": created, "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -140,15 +160,21 @@ def register(app: FastAPI, state: ServerState) -> None:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 started: set[int] = set()
                 finals: dict[int, Update] = {}
+                offsets: dict[int, int] = {}  # text offset of each choice's next token
                 async for u in merged(gens):
                     text = u.delta
-                    if u.index not in started:
+                    first = u.index not in started
+                    if first:
                         started.add(u.index)
                         text = echoes[u.index // n] + text
-                    if text or u.finished:
+                    if text or u.finished or _new_lp(u):
                         reason = finish_reason_str(u.finish_reason) if u.finished else None
+                        lp = logprobs(u, u.lp_first, offsets.get(u.index, 0),
+                                      first and body.echo)
+                        if lp is not None and lp["tokens"]:
+                            offsets[u.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                         yield {**head, "choices": [{"index": u.index, "text": text,
-                                                    "logprobs": None, "finish_reason": reason}]}
+                                                    "logprobs": lp, "finish_reason": reason}]}
                     if u.finished:
                         finals[u.index] = u
                 if include_usage:
@@ -159,7 +185,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         results = await results_or_abort(request, gens)
         for u in results:
             check_aborted(u)
-        choices = [{"index": u.index, "text": echoes[u.index // n] + u.text, "logprobs": None,
+        choices = [{"index": u.index, "text": echoes[u.index // n] + u.text,
+                    "logprobs": logprobs(u, echo=body.echo),
                     "finish_reason": finish_reason_str(u.finish_reason)} for u in results]
         return JSONResponse({**head, "choices": choices,
                              "usage": _usage(prepared, n, results, cached)})
@@ -169,14 +196,19 @@ def register(app: FastAPI, state: ServerState) -> None:
         body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
         assert prepared is not None
         n = body.n
-        gens, cached = await _launch(state, prepared, n, body.cache_salt)
+        gens, cached = await _launch(state, prepared, n, body.cache_salt, OP.chat_logprobs(body))
         cid, created = f"chatcmpl-{gens[0].rid}", int(time.time())
+
+        def logprobs(u: Update, first: int = 0) -> dict[str, Any] | None:
+            return LF.chat_logprobs(u.logprobs, tok_text, first) if u.logprobs else None
+
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+            def chunk(index: int, delta: dict[str, Any], finish: str | None,
+                      lp: dict[str, Any] | None = None) -> dict[str, Any]:
+                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                              "finish_reason": finish}]}
 
             async def events() -> AsyncIterator[dict[str, Any]]:
@@ -184,8 +216,9 @@ def register(app: FastAPI, state: ServerState) -> None:
                     yield chunk(g.index, {"role": "assistant", "content": ""}, None)
                 finals: dict[int, Update] = {}
                 async for u in merged(gens):
-                    if u.delta:
-                        yield chunk(u.index, {"content": u.delta}, None)
+                    if u.delta or _new_lp(u):
+                        yield chunk(u.index, {"content": u.delta}, None,
+                                    logprobs(u, u.lp_first))
                     if u.finished:
                         finals[u.index] = u
                         yield chunk(u.index, {}, finish_reason_str(u.finish_reason))
@@ -198,7 +231,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         for u in results:
             check_aborted(u)
         choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
-                    "logprobs": None, "finish_reason": finish_reason_str(u.finish_reason)}
+                    "logprobs": logprobs(u), "finish_reason": finish_reason_str(u.finish_reason)}
                    for u in results]
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": _usage(prepared, n, results, cached)})

@@ -30,6 +30,9 @@ class GenerateReq:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     extra_key: str | None = None
+    # Logprobs asked for: {"top_logprobs_num": k, "logprob_start_len": s} (Engine.add_request's
+    # arguments; engine.req_logprobs), or None.
+    logprobs: dict[str, int] | None = None
 
 
 @dataclass
@@ -76,6 +79,8 @@ class ReqOut:
     # Output text released since the previous ReqOut of this request (the scheduler owns
     # detokenization and stop strings: text that may start a stop string is held back).
     text: str = ""
+    # Logprobs new since the previous ReqOut (`ReqLogprobs.take()`), or None when not asked.
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass

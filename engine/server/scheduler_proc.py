@@ -48,6 +48,14 @@ def redact(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _logprob_args(spec: dict[str, int] | None) -> dict[str, Any]:
+    """`Engine.add_request` keywords of a `GenerateReq.logprobs`."""
+    if spec is None:
+        return {}
+    return {"return_logprob": True, "top_logprobs_num": int(spec.get("top_logprobs_num", 0)),
+            "logprob_start_len": int(spec.get("logprob_start_len", -1))}
+
+
 def _set_parent_death_signal() -> None:
     """Ask Linux to SIGTERM us when the parent dies (no orphans even after a kill -9)."""
     if not sys.platform.startswith("linux"):
@@ -155,6 +163,7 @@ class SchedulerProcess:
                     sampling_params=msg.sampling_params,
                     rid=msg.rid,
                     extra_key=msg.extra_key,
+                    **_logprob_args(msg.logprobs),
                 )
             except (ValueError, TypeError, CapacityError) as e:
                 self.send(P.ReqError(rid=msg.rid, message=str(e), status=400))
@@ -270,6 +279,7 @@ class SchedulerProcess:
                                     completion_tokens=int(u["meta_info"]["completion_tokens"]),
                                     cached_tokens=int(u["meta_info"]["cached_tokens"]),
                                     text=u["text_delta"],
+                                    logprobs=u.get("logprobs"),
                                 )
                                 for u in updates
                             ]

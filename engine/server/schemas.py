@@ -2,8 +2,8 @@
 
 Bodies are strict: a wrong type is a 400, not a coercion, and a field the server does not know
 is a 400 naming it (`--allow-unknown-fields` drops unknown fields instead). Fields of the OpenAI
-and SGLang APIs that the engine cannot honour yet (logprobs, penalties, structured output,
-tools, ...) are refused with a 400 naming them unless they carry their neutral value, whatever
+and SGLang APIs that the engine cannot honour (tools, best_of, suffix, vLLM's guided_*, ...)
+are refused with a 400 naming them unless they carry their neutral value, whatever
 `--allow-unknown-fields` says: a client never gets output that silently ignored what it asked.
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pydantic_core
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # Bodies this size or smaller are parsed a second time (by the stdlib) after a JSON error, to
 # name the field that holds a lone surrogate.
@@ -58,6 +58,18 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str  # text, json_object, json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _OpenAISampling(_Body):
     model: str | None = None
     max_tokens: int | None = None
@@ -75,12 +87,21 @@ class _OpenAISampling(_Body):
     user: str | None = None
     # Cache isolation (a tenant salt): requests with different salts never share pages.
     cache_salt: str | None = None
+    # Sampling beyond the basics (engine.server.openai_params maps them).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionBody(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
 
 
 class TextPart(_Body):
@@ -96,6 +117,8 @@ class ChatMessage(_Body):
 class ChatBody(_OpenAISampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class GenerateSampling(_Body):
@@ -109,6 +132,15 @@ class GenerateSampling(_Body):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     n: int = 1  # parallel sampling: n outputs of each prompt that share its pages
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateBody(_Body):
@@ -118,6 +150,10 @@ class GenerateBody(_Body):
     stream: bool = False
     rid: str | None = None  # the client's name for the request (echoed as meta_info.id)
     extra_key: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
     # Routing information a gateway (smg, sglang-router) adds to the body; one model is served,
     # so it is accepted and not otherwise used.
     model: str | None = None
@@ -139,14 +175,10 @@ def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
 
-_PENALTIES: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": _none_or(0, 0.0), "presence_penalty": _none_or(0, 0.0),
-    "repetition_penalty": _none_or(1, 1.0), "min_p": _none_or(0, 0.0),
-    "logit_bias": _empty, "min_tokens": _none_or(0),
-}
+# Penalties, logprobs and response_format are implemented (engine.server.openai_params; SGLang's
+# regex / ebnf / json_schema on /generate); tools are refused (docs/server.md).
 _OPENAI_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **_PENALTIES, "logprobs": _none_or(False), "top_logprobs": _none_or(0),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "tools": _empty,
+    "tools": _empty,
     "tool_choice": _none_or("none"), "functions": _empty, "function_call": _none_or("none"),
     "parallel_tool_calls": _none_or(False, True), "best_of": _none_or(1), "suffix": _none_or(""),
     "regex": _none_or(), "ebnf": _none_or(), "json_schema": _none_or(),
@@ -154,13 +186,10 @@ _OPENAI_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _none_or(),
 }
 _SAMPLING_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **_PENALTIES, "min_new_tokens": _none_or(0), "regex": _none_or(), "ebnf": _none_or(),
-    "json_schema": _none_or(), "structural_tag": _none_or(), "stop_regex": _none_or(),
+    "structural_tag": _none_or(), "stop_regex": _none_or(),
 }
 _GENERATE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "return_logprob": _none_or(False), "logprob_start_len": _none_or(-1),
-    "top_logprobs_num": _none_or(0), "token_ids_logprob": _none_or(),
-    "return_text_in_logprobs": _none_or(False), "image_data": _empty, "audio_data": _empty,
+    "token_ids_logprob": _none_or(), "image_data": _empty, "audio_data": _empty,
     "video_data": _empty, "lora_path": _none_or(), "return_hidden_states": _none_or(False),
     "custom_logit_processor": _none_or(), "session_params": _none_or(),
     # Fields the smg gateway sends with every forwarded request, at these values.

@@ -167,8 +167,9 @@ class ServerState:
         self, *, max_tokens: int | None, param: str, prompt_len: int, temperature: float | None,
         top_p: float | None, top_k: int | None, stop: str | list[str] | None,
         stop_token_ids: list[int] | None, seed: int | None, ignore_eos: bool | None,
-        skip_special_tokens: bool | None,
+        skip_special_tokens: bool | None, extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """`extra`: further `SamplingParams` fields (engine.server.openai_params)."""
         ctx = self.info.context_length
         if max_tokens is None:
             max_tokens = ctx - prompt_len
@@ -183,6 +184,7 @@ class ServerState:
                  if stop is not None else None}
         sp: dict[str, Any] = {"max_new_tokens": max_tokens}
         sp.update({k: v for k, v in given.items() if v is not None})
+        sp.update(extra or {})
         try:
             params = SamplingParams(**sp)
         except (ConfigError, TypeError, ValueError) as e:

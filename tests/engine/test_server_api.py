@@ -403,7 +403,7 @@ def test_bad_requests_get_400(server: EngineServer) -> None:
         ("/v1/completions", {"prompt": "hi", "n": 0}),
         ("/v1/completions", {"prompt": "hi", "n": 10**6}),
         ("/v1/completions", {"prompt": ["hi"] * 600, "n": 2}),  # over 1024 generations
-        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 5.0}),
         ("/v1/completions", {"prompt": "hi", "no_such_field": 1}),
         ("/v1/completions", b'{"prompt": "\\ud800"}'),
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}),

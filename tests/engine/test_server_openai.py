@@ -90,23 +90,16 @@ def test_n_samples_stream_with_their_index(server: EngineServer) -> None:
 
 
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"regex": "[a-z]+"}, "regex"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),
-    ("/generate", {"return_logprob": True}, "return_logprob"),
-    ("/generate", {"sampling_params": {"max_new_tokens": 2, "repetition_penalty": 1.2}},
-     "sampling_params.repetition_penalty"),
-    ("/generate", {"sampling_params": {"max_new_tokens": 2, "json_schema": "{}"}},
-     "sampling_params.json_schema"),
+    ("/generate", {"token_ids_logprob": [1, 2]}, "token_ids_logprob"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2, "stop_regex": "a"}},
+     "sampling_params.stop_regex"),
 ]
 UNKNOWN: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
@@ -207,8 +200,8 @@ def test_openai_client_n_and_refusals(server: EngineServer) -> None:
     whole = client.chat.completions.create(model="hicache-demo", messages=messages, n=2,  # type: ignore[arg-type]
                                            max_tokens=4, temperature=1.0, seed=4)
     assert texts == {c.index: c.message.content for c in whole.choices}
-    for kw in ({"logprobs": True}, {"presence_penalty": 1.0},
-               {"response_format": {"type": "json_object"}}):
+    for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+               {"tool_choice": "auto"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="hicache-demo", messages=messages,  # type: ignore[arg-type]
                                            max_tokens=2, **kw)  # type: ignore[arg-type]
