@@ -51,6 +51,15 @@ def buffers(n: int, size: int) -> list[memoryview]:
     return [block[i * size : (i + 1) * size] for i in range(n)]
 
 
+def assert_reads_back(
+    b: StorageBackend, codec: PageCodec, keys: list[str], recs: list[bytearray]
+) -> None:
+    """Every key of `keys` is a hit of `b.batch_get` and reads back exactly its record."""
+    out = buffers(len(keys), codec.record_bytes)
+    assert b.batch_get(keys, out) == [True] * len(keys)
+    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+
+
 class HarnessPool:
     """Starts each harness at most once per session; stops them all at the end."""
 

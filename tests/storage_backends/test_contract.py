@@ -16,6 +16,7 @@ from tests.storage_backends.conftest import (
     OTHER_NAMESPACE,
     HarnessPool,
     Store,
+    assert_reads_back,
     buffers,
     make_codec,
     make_keys,
@@ -127,9 +128,7 @@ def test_overwrite_is_idempotent(store: Store) -> None:
     assert b.batch_set(keys, _as_views(recs)) == [True] * 3
     assert b.batch_set(keys[1:2], _as_views(recs[1:2])) == [True]
     assert b.batch_exists(keys) == 3
-    out = buffers(3, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 3
-    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    assert_reads_back(b, codec, keys, recs)
     if pages >= 0:
         assert b.stats().stored_pages == pages
 
@@ -314,9 +313,7 @@ def test_large_batch(store: Store) -> None:
     recs = make_records(codec, keys)
     assert b.batch_set(keys, _as_views(recs)) == [True] * 128
     assert b.batch_exists(keys) == 128
-    out = buffers(128, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 128
-    assert all(bytes(o) == bytes(r) for o, r in zip(out, recs))
+    assert_reads_back(b, codec, keys, recs)
 
 
 def test_concurrent_threads_on_one_object(store: Store) -> None:

@@ -19,7 +19,14 @@ from hicache.storage import StorageConfig
 from storage_backends.common import Backoff, as_bool, check_known_keys, leading_run, setting
 from storage_backends.redis_backend import RedisBackend, parse_cluster_url, redact
 from tests.procs import free_port
-from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
+from tests.storage_backends.conftest import (
+    NAMESPACE,
+    assert_reads_back,
+    buffers,
+    make_codec,
+    make_keys,
+    make_records,
+)
 from tests.storage_backends.redis_servers import (
     HAVE_REDIS,
     SKIP_REASON,
@@ -257,9 +264,7 @@ def test_unix_socket(server: RedisServer) -> None:
     keys = make_keys(3, salt=2)
     recs = make_records(codec, keys)
     assert b.batch_set(keys, views(recs)) == [True] * 3
-    out = buffers(3, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 3
-    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    assert_reads_back(b, codec, keys, recs)
     assert rb(server.url).batch_exists(keys) == 3  # same server over TCP
 
 
@@ -278,9 +283,7 @@ def test_tls(tmp_path: Path) -> None:
         recs = make_records(codec, keys)
         assert b.batch_set(keys, views(recs)) == [True] * 3
         assert b.batch_exists(keys) == 3
-        out = buffers(3, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True] * 3
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert_reads_back(b, codec, keys, recs)
         assert s.cli("DBSIZE").strip() == "3"
         # Plain TCP to a TLS port is a counted miss, not a crash.
         plain = rb(f"redis://127.0.0.1:{s.port}/0", socket_timeout=0.5)
@@ -324,9 +327,7 @@ def test_one_round_trip_per_batch(server: RedisServer, zero_copy: bool,
         elif op == "exists":
             assert b.batch_exists(keys) == 16
         else:
-            out = buffers(16, codec.record_bytes)
-            assert b.batch_get(keys, out) == [True] * 16
-            assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+            assert_reads_back(b, codec, keys, recs)
         assert len(sends) == 1, op  # the whole batch goes out in one write
     assert len(reads) == 16 + 1 + 1  # SET replies, one script reply, one MGET reply
 
@@ -358,9 +359,7 @@ def test_server_killed_and_restarted(tmp_path: Path) -> None:
         assert b.available
         assert b.batch_exists(keys) == 0  # the old pages died with the server
         assert b.batch_set(keys, views(recs)) == [True] * 4
-        out = buffers(4, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True] * 4
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert_reads_back(b, codec, keys, recs)
         assert b.stats().corrupt_pages == 0
     finally:
         server.stop()
@@ -391,9 +390,7 @@ def test_hung_server_times_out_then_resumes(tmp_path: Path) -> None:
         while b.batch_exists(keys) != 2:
             assert time.monotonic() < deadline, "did not resume"
             time.sleep(0.05)
-        out = buffers(2, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True, True]
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert_reads_back(b, codec, keys, recs)
     finally:
         server.stop()
 
@@ -467,9 +464,7 @@ def test_cluster_spreads_pages_over_every_node(cluster: RedisCluster, how: str) 
     assert all(n > 0 for n in sizes)
     other = rb(cluster.nodes[2].url, cluster=True)  # any node is a seed
     assert other.batch_exists(keys) == 60
-    out = buffers(60, codec.record_bytes)
-    assert other.batch_get(keys, out) == [True] * 60
-    assert all(bytes(o) == bytes(r) for o, r in zip(out, recs))
+    assert_reads_back(other, codec, keys, recs)
     other.delete(keys[:30])
     assert sum(cluster.dbsizes()) == 30
     b.clear()
