@@ -45,6 +45,16 @@ def make_records(codec: PageCodec, keys: list[str], seed: int = 0) -> list[bytea
     return out
 
 
+def make_pages(
+    payload_bytes: int, n: int, salt: int = 0
+) -> tuple[PageCodec, list[str], list[bytearray]]:
+    """A codec of `payload_bytes`-byte pages, `n` keys (`salt` as in make_keys) and one valid
+    record per key."""
+    codec = make_codec(payload_bytes)
+    keys = make_keys(n, salt=salt)
+    return codec, keys, make_records(codec, keys)
+
+
 def buffers(n: int, size: int) -> list[memoryview]:
     """`n` zeroed, writable views of `size` bytes carved out of one block (like a host pool)."""
     block = memoryview(bytearray(n * size + 64))[64:]
