@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -68,6 +70,47 @@ def assert_reads_back(
     out = buffers(len(keys), codec.record_bytes)
     assert b.batch_get(keys, out) == [True] * len(keys)
     assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+
+
+class NumberedPages:
+    """Pages numbered i: key `f"{i:064x}"`, a record whose `payload_bytes`-byte payload is the
+    byte i % 251 repeated, and separately allocated buffers to read them into."""
+
+    def __init__(self, payload_bytes: int) -> None:
+        self.codec = make_codec(payload_bytes)
+
+    @staticmethod
+    def key(i: int) -> str:
+        return f"{i:064x}"
+
+    def record(self, i: int) -> bytearray:
+        return self.codec.encode(self.key(i), bytes([i % 251]) * self.codec.payload_bytes)
+
+    def buffers(self, n: int) -> list[memoryview]:
+        return [memoryview(bytearray(self.codec.record_bytes)) for _ in range(n)]
+
+    def assert_first_stored(self, b: StorageBackend, n: int, missing: int) -> None:
+        """`b` holds pages 0..n-1 and not page `missing`: exists counts the leading run of a
+        batch, get hits every held page (reading back its record) and misses `missing`."""
+        keys = [self.key(i) for i in range(n)]
+        assert b.batch_exists(keys + [self.key(missing)]) == n
+        assert b.batch_exists([self.key(missing)] + keys) == 0
+        out = self.buffers(n + 1)
+        assert b.batch_get(keys + [self.key(missing)], out) == [True] * n + [False]
+        assert [bytes(o) for o in out[:n]] == [bytes(self.record(i)) for i in range(n)]
+
+
+class RecordsCheckerThreads:
+    """Mixin for a backend class: `checked_by` maps each key whose record it checked to the
+    name of the thread that checked it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checked_by: dict[str, str] = {}
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        self.checked_by[key] = threading.current_thread().name
+        return super().check_record(key, length, buf)  # type: ignore[misc]
 
 
 class HarnessPool:
