@@ -120,6 +120,17 @@ def test_backend_without_a_set_path_is_refused() -> None:
         NoSet(_config())
 
 
+def test_batch_get_template_checks_its_arguments() -> None:
+    codec = make_codec(100)
+    keys = make_keys(3)
+    b = _DictBackend(_config())
+    assert b.batch_set(keys, [memoryview(r) for r in make_records(codec, keys)]) == [True] * 3
+    with pytest.raises(ValueError, match="3 keys but 2 buffers"):
+        b.batch_get(keys, buffers(2, codec.record_bytes))
+    assert b.batch_get([], []) == []
+    assert b.stats().get_pages == 0  # neither call was counted
+
+
 def test_batch_get_counts_corrupt_pages_once() -> None:
     codec = make_codec(64)
     keys = make_keys(4)
