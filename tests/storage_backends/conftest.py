@@ -63,6 +63,11 @@ def buffers(n: int, size: int) -> list[memoryview]:
     return [block[i * size : (i + 1) * size] for i in range(n)]
 
 
+def assert_all_miss(b: StorageBackend, codec: PageCodec, keys: list[str]) -> None:
+    """`b.batch_get` finds none of `keys`."""
+    assert b.batch_get(keys, buffers(len(keys), codec.record_bytes)) == [False] * len(keys)
+
+
 def assert_reads_back(
     b: StorageBackend, codec: PageCodec, keys: list[str], recs: list[bytearray]
 ) -> None:

@@ -21,8 +21,8 @@ from storage_backends.redis_backend import RedisBackend, parse_cluster_url, reda
 from tests.procs import free_port
 from tests.storage_backends.conftest import (
     NAMESPACE,
+    assert_all_miss,
     assert_reads_back,
-    buffers,
     make_codec,
     make_keys,
     make_pages,
@@ -191,7 +191,7 @@ def test_nothing_listening_is_a_fast_counted_miss() -> None:
     keys = make_keys(3)
     assert b.batch_exists(keys) == 0
     assert not b.available
-    assert b.batch_get(keys, buffers(3, codec.record_bytes)) == [False] * 3
+    assert_all_miss(b, codec, keys)
     assert b.batch_set(keys, views(make_records(codec, keys))) == [False] * 3
     with pytest.raises(StorageUnavailable):
         b.delete(keys)
@@ -350,7 +350,7 @@ def test_server_killed_and_restarted(own_server: RedisServer) -> None:
     assert b.batch_exists(keys) == 2
     server.kill()
     assert b.batch_exists(keys) == 0
-    assert b.batch_get(keys, buffers(4, codec.record_bytes)) == [False] * 4
+    assert_all_miss(b, codec, keys)
     assert b.batch_set(keys[2:], views(recs[2:])) == [False, False]
     assert not b.available
     st = b.stats()
@@ -377,7 +377,7 @@ def test_hung_server_times_out_then_resumes(own_server: RedisServer) -> None:
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         assert b.batch_exists(keys) == 0
-        assert b.batch_get(keys, buffers(2, codec.record_bytes)) == [False, False]
+        assert_all_miss(b, codec, keys)
         assert b.stats().errors == 2
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
@@ -423,8 +423,7 @@ def test_full_server_fails_single_pages_cleanly(tmp_path: Path) -> None:
         assert (st.set_failures, st.errors) == (16 - stored, 16 - stored)
         assert b.available  # a full server is not a dead one
         assert b.batch_exists(keys) == stored
-        out = buffers(stored, codec.record_bytes)
-        assert b.batch_get(keys[:stored], out) == [True] * stored
+        assert_reads_back(b, codec, keys[:stored], recs[:stored])
 
 
 # -- a real 3-node cluster -----------------------------------------------------------------
@@ -470,7 +469,7 @@ def test_cluster_down_is_a_counted_miss(tmp_path: Path) -> None:
         for node in c.nodes:
             node.kill()
         assert b.batch_exists(keys) == 0
-        assert b.batch_get(keys, buffers(8, codec.record_bytes)) == [False] * 8
+        assert_all_miss(b, codec, keys)
         assert b.batch_set(keys, views(make_records(codec, keys))) == [False] * 8
         st = b.stats()
         assert (st.errors, st.set_failures) == (3, 8)
