@@ -28,7 +28,12 @@ from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 from tests.storage_backends.mooncake_procs import ENV as MOONCAKE_ENV
 from tests.storage_backends.mooncake_procs import master_binary
 from tests.storage_backends.mooncake_procs import skip_reason as mooncake_skip_reason
-from tests.storage_backends.redis_servers import HAVE_REDIS, SKIP_REASON, RedisServer
+from tests.storage_backends.redis_servers import (
+    HAVE_REDIS,
+    SKIP_REASON,
+    RedisServer,
+    RestartableServer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -153,10 +158,11 @@ def test_redis_server_killed_mid_write_burst(tmp_path: Path, tiny_model: Path,
         server.stop()
 
 
-class MooncakeMaster:
+class MooncakeMaster(RestartableServer):
     """`mooncake_master` that can be SIGKILLed and started again on the same port."""
 
     def __init__(self, log_dir: Path) -> None:
+        super().__init__()
         binary = master_binary()
         assert binary is not None
         self.port, metrics = free_port(), free_port()
@@ -170,8 +176,6 @@ class MooncakeMaster:
             "--enable_http_metadata_server=false",
         ]
         self.log_dir = log_dir
-        self.proc: ManagedProcess | None = None
-        self.starts = 0
 
     @property
     def address(self) -> str:
@@ -182,14 +186,6 @@ class MooncakeMaster:
         self.proc = ManagedProcess(self.argv, self.log_dir / f"master-{self.starts}.log",
                                    env=MOONCAKE_ENV).start()
         wait_for_port(self.port, proc=self.proc.proc)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
 
 
 @pytest.fixture
