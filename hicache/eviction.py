@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import count
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -139,12 +139,6 @@ class Candidates:
     def rebuild(self, nodes: Sequence[TreeNode]) -> None:
         self.heap = [(self.policy.key(n), next(self._seq), n) for n in nodes if self.valid(n)]
         heapq.heapify(self.heap)
-
-    def compact(self, nodes: Callable[[], Iterable[TreeNode]], num_pages: int) -> None:
-        """Rebuild from `nodes()` once the heap holds more than 4 entries per page of the pool
-        it evicts from (plus 1024): stale entries are then most of it."""
-        if len(self.heap) > 4 * num_pages + 1024:
-            self.rebuild(list(nodes()))
 
     def clear(self) -> None:
         self.heap.clear()

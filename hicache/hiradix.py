@@ -316,7 +316,8 @@ class HiRadixCache(CacheState):
     def _evict(self, n_tokens: int) -> int:
         evicted = 0
         skipped: list[TreeNode] = []
-        self.device_candidates.compact(self.tree.nodes, self.device_alloc.num_pages)
+        if len(self.device_candidates.heap) > 4 * self.device_alloc.num_pages + 1024:
+            self.device_candidates.rebuild(list(self.tree.nodes()))
         while evicted < n_tokens:
             node = self.device_candidates.pop()
             if node is None:
@@ -407,7 +408,8 @@ class HiRadixCache(CacheState):
     def _evict_host(self, n_tokens: int) -> int:
         ps = self.page_size
         evicted = 0
-        self.host_candidates.compact(self.tree.nodes, self.host_alloc.num_pages)
+        if len(self.host_candidates.heap) > 4 * self.host_alloc.num_pages + 1024:
+            self.host_candidates.rebuild(list(self.tree.nodes()))
         while evicted < n_tokens:
             node = self.host_candidates.pop()
             if node is None:

@@ -123,18 +123,3 @@ def test_only_leaves_evicted_parent_after_child():
     assert c.evict(2) == 2
     assert parent.removed
     c.check_integrity(0)
-
-
-def test_candidates_compact_drops_stale_entries_past_the_bound():
-    c = fresh("lru")  # 8 device pages: the bound is 4 * 8 + 1024 entries
-    insert_all(c)
-    cands = c.device_candidates
-    node = next(n for n in c.tree.nodes() if n.key == tuple(A))
-    while len(cands.heap) < 4 * 8 + 1024:
-        cands.push(node)  # each push of an unchanged node is one more duplicate entry
-    cands.compact(c.tree.nodes, 8)
-    assert len(cands.heap) == 4 * 8 + 1024  # at the bound: left alone
-    cands.push(node)
-    cands.compact(c.tree.nodes, 8)
-    assert sorted(e[2].key for e in cands.heap) == [tuple(A), tuple(B), tuple(C)]  # one entry per candidate
-    assert eviction_order(c) == ["A", "B", "C"]
