@@ -96,7 +96,7 @@ def play(url: str, system: list[int], users: list[list[list[int]]], a: argparse.
     lock = threading.Lock()
     ttfts: list[float] = []
     by_turn: dict[int, list[float]] = {}
-    totals = {"prompt_tokens": 0, "cached_tokens": 0, "requests": 0}
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "requests": 0}
     errors: list[str] = []
 
     def worker() -> None:
@@ -119,6 +119,7 @@ def play(url: str, system: list[int], users: list[list[list[int]]], a: argparse.
                     totals["prompt_tokens"] += len(prompt)
                     totals["cached_tokens"] += cached
                     totals["requests"] += 1
+                    totals["output_tokens"] += len(out)
                     history[u] = prompt + out
                     if r + 1 < len(users[u]):
                         todo.append((u, r + 1))
@@ -133,7 +134,10 @@ def play(url: str, system: list[int], users: list[list[list[int]]], a: argparse.
         raise RuntimeError("; ".join(errors[:3]))
     ttfts.sort()
     q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else ttfts * 9
-    return {"wall_s": round(time.perf_counter() - t0, 3),
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 3),
+            "throughput_tok_s": round((totals["prompt_tokens"] + totals["output_tokens"]) / wall,
+                                      1),
             "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p90_s": round(q[8], 4),
             "ttft_mean_s": round(statistics.fmean(ttfts), 4),
             # turn 0 computes the new message alone everywhere; later turns show the reuse

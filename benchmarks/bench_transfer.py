@@ -65,14 +65,14 @@ def raw_copy(
 
 def movers(device: DeviceKVPool, host: HostKVPool, io_backend: str) -> dict[str, Callable]:
     """d2h / h2d / h2d_layerwise callables returning something to wait on (or None)."""
-    try:
-        from hicache.transfer import PageMover
-    except ImportError:  # the code before hicache.transfer existed (BEFORE numbers)
+    if hasattr(host, "store_from"):  # the code before hicache.transfer (BEFORE numbers)
         host.io_backend = io_backend
         return {
             "d2h": lambda dp, hp: host.store_from(device, dp, hp),  # type: ignore[attr-defined]
             "h2d": lambda hp, dp: host.load_into(device, hp, dp),  # type: ignore[attr-defined]
         }
+    from hicache.transfer import PageMover
+
     m = PageMover(device, host, io_backend)
     return {
         "d2h": lambda dp, hp: m.d2h(dp, hp),

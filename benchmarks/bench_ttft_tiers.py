@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2,
-                   help="runs per row (each with its own prompt or tail); rows keep the best")
+                   help="runs per tier row (each with its own tail); rows keep the best")
+    p.add_argument("--compute-repeats", type=int, default=None,
+                   help="runs of the compute row, each a new prompt (default: --repeats)")
     p.add_argument("--profile", type=Path, default=None, help="cProfile dumps into this folder")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default benchmarks/results/bench_ttft_tiers[_quick].json)")
@@ -120,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile:
         a.profile.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(a.seed)
-    prompts = [[rnd.randrange(10, a.vocab) for _ in range(a.tokens)] for _ in range(a.repeats)]
+    a.compute_repeats = a.compute_repeats or a.repeats
+    prompts = [[rnd.randrange(10, a.vocab) for _ in range(a.tokens)]
+               for _ in range(a.compute_repeats)]
     tails = [[rnd.randrange(10, a.vocab) for _ in range(NEW_TOKENS)]
              for _ in range(3 * a.repeats)]
     warm = [rnd.randrange(10, a.vocab) for _ in range(min(64, a.tokens))]

@@ -35,6 +35,7 @@ CACHE_EXTRA_KEYS = (
     "storage_batch_pages",
     "write_through_threshold",
     "load_back_threshold",
+    "load_margin",
     "storage_retry_backoff",
 )
 
@@ -101,7 +102,8 @@ class EngineArgs:
     hicache_host_memory_mode: str = "full"
     # When pages are copied to host: write_through, write_through_selective, write_back.
     hicache_write_policy: str = "write_through"
-    # Host <-> device copy method: direct or kernel (layer by layer).
+    # Host <-> device copy method: direct (indexed copies through a staging buffer) or kernel
+    # (a Triton page-copy kernel on CUDA; on CPU the direct path unless TRITON_INTERPRET=1).
     hicache_io_backend: str = "direct"
     # Host pool layout: layer_first, page_first, page_first_direct.
     hicache_mem_layout: str = "layer_first"

@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
 from engine.sampling import sample
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
+from hicache.transfer import merge_wait_layer
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class Scheduler:
         """Lock the cached prefix of `req` and take its pages as the head of the page table."""
         tokens = req.tokens
         acq = self.cache.acquire(
-            tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False
+            tokens[:-1], extra_key=req.extra_key, request_id=req.rid, count=False, layerwise=True
         )
         req.admission = acq  # counted once the request gets its pages (_prefill_step)
         req.node = acq.node
@@ -203,9 +204,17 @@ class Scheduler:
 
     def _unadmit(self, req: Req) -> None:
         """Undo `_admit` for a request that got no pages (keeps any own pages it had: none)."""
+        self._settle_load(req)
         if req.node is not None:
             self.cache.release(req.node)
         req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
+
+    @staticmethod
+    def _settle_load(req: Req) -> None:
+        """Pages loaded back for `req` may be given back before a forward read them (abort,
+        no room): make later work wait for their layer-wise load first."""
+        if req.admission is not None and req.admission.load is not None:
+            req.admission.load.wait_all()
 
     def _grow(self, req: Req, n_tokens: int) -> int:
         """Make the page table cover `kv_len + k` tokens for the largest `k <= n_tokens` the pool
@@ -283,8 +292,13 @@ class Scheduler:
         seqs = []
         for req, k in batch:
             seqs.append((req.tokens[req.kv_len : req.kv_len + k], req.kv_len, req.pages))
-        logits = self.runner.forward(seqs)
+        loads = [r.admission.load for r, _ in batch if r.admission and r.admission.load]
+        t0 = time.perf_counter()
+        logits = self.runner.forward(seqs, wait_layer=merge_wait_layer(loads))
         self.forward_steps += 1
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # time the compute, not its launch
+        self.cache.observe_prefill(sum(k for _, k in batch), time.perf_counter() - t0)
         done: list[tuple[int, Req]] = []
         for i, (req, k) in enumerate(batch):
             req.kv_len += k
@@ -405,6 +419,7 @@ class Scheduler:
         if full > 0:
             self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
         own = req.pages[max(full, req.tree_pages) :]
+        self._settle_load(req)
         if own:
             self.cache.free_device(own)
         if req.node is not None:

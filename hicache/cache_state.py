@@ -211,6 +211,11 @@ class CacheState:
         waiting to be applied."""
         return self.controller.wait_progress(timeout)
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A forward computed `tokens` prompt tokens in `seconds` (the recompute side of the
+        load-vs-recompute plan)."""
+        self.controller.observe_prefill(tokens, seconds)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every background transfer (and the ones their acks start) to finish."""
         self.acks.flush(timeout)

@@ -55,6 +55,9 @@ class HiCacheConfig:
     storage_batch_pages: int = 128
     # Host -> device load-back of fewer tokens than this is skipped (recomputing is cheaper).
     load_back_threshold: int = 10
+    # Load a cached part while its measured load time < load_margin x its recompute time (the
+    # cost model; larger favours loading: 1e9 always loads).
+    load_margin: float = 1.0
     eviction_policy: str = "lru"
     eviction_config: Mapping[str, Any] = field(default_factory=dict)
     # Seconds a failed backend is left alone before it is tried again (doubles up to 30 s).
@@ -107,6 +110,7 @@ class HiCacheConfig:
         check(self.prefetch_timeout_per_ki_token >= 0, "prefetch_timeout_per_ki_token must be >= 0")
         check(self.storage_batch_pages >= 1, "storage_batch_pages must be >= 1")
         check(self.load_back_threshold >= 0, "load_back_threshold must be >= 0")
+        check(self.load_margin > 0, "load_margin must be > 0")
         check(self.storage_retry_backoff >= 0, "storage_retry_backoff must be >= 0")
         check(
             isinstance(self.storage_extra_config, Mapping),

@@ -156,6 +156,7 @@ class TransferController:
         retry_backoff_s: float = 1.0,
         synchronous: bool = False,
         readers: int = 4,
+        load_margin: float = 1.0,
     ) -> None:
         self.transfer = transfer
         # The transfer that moves bytes: a wrapper (the prefetch prober) exposes it as `inner`.
@@ -180,7 +181,9 @@ class TransferController:
         self.storage_errors = 0  # read by the owner; only grows
         # Measured tier bandwidths and prefill speed: the load-vs-recompute decision.
         bpt = getattr(self.data, "bytes_per_token", None)
-        self.cost: CostModel | None = CostModel(bpt) if isinstance(bpt, int) else None
+        self.cost: CostModel | None = (
+            CostModel(bpt, margin=load_margin) if isinstance(bpt, int) else None
+        )
         # Writes whose copy was issued and has not completed yet (CUDA): acked when it has.
         self._inflight: list[WriteOp] = []
         self._progress = threading.Event()  # set whenever an ack is queued

@@ -60,12 +60,18 @@ class CostModel:
         host_latency_s: float = 0.0,
         storage_latency_s: float = 0.0,
         margin: float = 1.0,
+        min_saving_s: float = 0.1,
     ) -> None:
-        """`margin` > 1 favours loading (load while load_s < margin * recompute_s)."""
+        """`margin` > 1 favours loading (load while load_s < margin * recompute_s).
+        `min_saving_s`: a load is replaced by recomputation only when that is estimated to save
+        at least this many seconds. NOTE: below it the estimates are within the noise of the
+        measurements they come from, and a plan that flips between runs would make the tiers'
+        hit counts depend on timing for no gain worth having."""
         if bytes_per_token < 1:
             raise ValueError("bytes_per_token must be >= 1")
         self.bytes_per_token = bytes_per_token
         self.margin = margin
+        self.min_saving_s = min_saving_s
         self.prefill = Ewma(alpha, prefill_tokens_per_s)
         self.bandwidth = {
             "host": Ewma(alpha, host_bytes_per_s),
@@ -122,7 +128,8 @@ class CostModel:
         comp = self.recompute_seconds(tokens)
         if load is None or comp is None:
             return True, load or 0.0, comp or 0.0  # unmeasured: load (the cache's default)
-        return load < self.margin * comp, load, comp
+        worth = load < self.margin * comp or load - comp < self.min_saving_s
+        return worth, load, comp
 
     def plan(self, host_tokens: int, storage_tokens: int, page_size: int = 1) -> LoadPlan:
         """How many of the `host_tokens` then `storage_tokens` cached tokens to load."""

@@ -25,6 +25,7 @@ from hicache.controller import WriteOp
 from hicache.prefix_cache import Acquired, InsertResult, MatchResult
 from hicache.radix import Tokens, TreeNode, common_pages
 from hicache.staging import trim
+from hicache.transfer import LayerDoneCounter
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +77,20 @@ class HiRadixCache(CacheState):
         request_id: str | None = None,
         input_tokens: int | None = None,
         count: bool = True,
+        layerwise: bool = False,
     ) -> Acquired:
         """Admit a request: finish its prefetch, match, load host pages back, lock, count.
+
+        With `layerwise` the load-back is issued layer by layer and not waited for: the caller
+        makes the forward wait per layer on `Acquired.load` (and calls its `wait_all()` if it
+        gives the pages back unread). Without it, the compute stream waits for the whole load.
 
         `count=False` leaves the hit counters alone; the caller then calls
         `record_admission(acq, input_tokens)` once the request really starts (an engine that
         may still give the prefix back, for lack of pages, counts each request once).
         """
         t = tuple(tokens)
-        r = self._acquire(t, extra_key, request_id)
+        r = self._acquire(t, extra_key, request_id, layerwise)
         if count:
             self.record_admission(r, len(t) if input_tokens is None else input_tokens)
         self._after()
@@ -105,7 +111,9 @@ class HiRadixCache(CacheState):
         elif acq.device_hit_tokens:
             st.device_hit_requests += 1
 
-    def _acquire(self, t: Tokens, extra_key: str | None, request_id: str | None) -> Acquired:
+    def _acquire(
+        self, t: Tokens, extra_key: str | None, request_id: str | None, layerwise: bool = False
+    ) -> Acquired:
         ps = self.page_size
         cfg = self.config
         from_storage = self.prefetcher.take(request_id) if request_id is not None else 0
@@ -120,14 +128,25 @@ class HiRadixCache(CacheState):
         dev_tokens = sum(len(x.key) for x in dev_nodes)
         host_tokens = sum(len(x.key) for x in host_nodes)
         loaded = 0
+        load: list[TreeNode] = []
+        counter: LayerDoneCounter | None = None
         if host_nodes:
-            if host_tokens >= cfg.load_back_threshold and self._load_back(last_dev, host_nodes):
-                loaded = host_tokens
-                end = host_nodes[-1]
-            else:
-                self.counters.load_back_skipped_tokens += host_tokens
+            # Load only the leading host nodes cheaper to load than to recompute (cost model).
+            plan = self.controller.plan_load(host_tokens, 0, ps)
+            for x in host_nodes:
+                if loaded + len(x.key) > plan.host_tokens:
+                    break
+                load.append(x)
+                loaded += len(x.key)
+            if load and loaded >= cfg.load_back_threshold:
+                counter = self._load_back(last_dev, load, layerwise)
+            if counter is None:
+                load, loaded = [], 0
+            if load:
+                end = load[-1]
+            self.counters.load_back_skipped_tokens += host_tokens - loaded
         tick = self.tree.clock()
-        used = nodes[: n_dev + (len(host_nodes) if loaded else 0)]
+        used = nodes[: n_dev + len(load)] if loaded else dev_nodes
         for x in used:
             x.hit_count += 1
             x.last_access = tick
@@ -152,10 +171,13 @@ class HiRadixCache(CacheState):
         pages: list[int] = []
         for x in used:
             pages.extend(x.value)  # type: ignore[arg-type]
-        return Acquired(pages, len(pages) * ps, end, dev_tokens, host_hit, storage_hit)
+        return Acquired(pages, len(pages) * ps, end, dev_tokens, host_hit, storage_hit, counter)
 
-    def _load_back(self, last_dev: TreeNode, host_nodes: list[TreeNode]) -> bool:
-        """host -> device for the whole host-only chain below `last_dev`; all or nothing."""
+    def _load_back(
+        self, last_dev: TreeNode, host_nodes: list[TreeNode], layerwise: bool = False
+    ) -> LayerDoneCounter | None:
+        """host -> device for the whole host-only chain below `last_dev` (issued layer by
+        layer with `layerwise`); all or nothing (None: no device room)."""
         n = sum(x.num_pages for x in host_nodes)
         self.tree.inc_lock(last_dev)
         self.tree.inc_host_ref(host_nodes[-1])
@@ -165,11 +187,11 @@ class HiRadixCache(CacheState):
             self.unpinned(self.tree.dec_host_ref(host_nodes[-1]))
             self.unpinned(self.tree.dec_lock(last_dev))
         if dev is None:
-            return False
+            return None
         host: list[int] = []
         for x in host_nodes:
             host.extend(x.host_value)  # type: ignore[arg-type]
-        self.controller.load(host, dev)
+        counter = self.controller.load(host, dev, layerwise=layerwise)
         off = 0
         for x in host_nodes:
             k = len(x.host_value)  # type: ignore[arg-type]
@@ -177,7 +199,7 @@ class HiRadixCache(CacheState):
             off += k
         self.counters.load_back_tokens += n * self.page_size
         self.device_candidates.push(host_nodes[-1])
-        return True
+        return counter
 
     # -- pages -------------------------------------------------------------------------------
 

@@ -112,6 +112,8 @@ class Prefetcher:
         c = self.c
         ps = c.page_size
         n = min(probe.completed, self._allowance())
+        if n > 0:  # fetch only what is cheaper to load than to recompute (cost model)
+            n = c.controller.plan_load(0, n * ps, ps).storage_tokens // ps
         host = c.alloc_host(n) if n > 0 and n * ps >= c.config.prefetch_threshold else None
         if host is None:  # nothing in L3 (or too little), or no host room
             c.counters.prefetch_skipped += 1
@@ -258,17 +260,27 @@ class ProbingTransfer:
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
-        return self.inner.device_to_host(device_pages, host_pages)
+    def device_to_host(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], *args: Any, **kw: Any
+    ) -> Any:
+        return self.inner.device_to_host(device_pages, host_pages, *args, **kw)
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
-        return self.inner.host_to_device(host_pages, device_pages)
+    def host_to_device(
+        self, host_pages: Sequence[int], device_pages: Sequence[int], *args: Any, **kw: Any
+    ) -> Any:
+        return self.inner.host_to_device(host_pages, device_pages, *args, **kw)
 
     def exists(self, keys: Sequence[str]) -> int:
         return self.inner.exists(keys)
 
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
-        self.inner.store(keys, host_pages, op)
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> Any:
+        return self.inner.store(keys, host_pages, op)
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (`read_batch`, `bytes_per_token`, `device`, ...) is the inner one's."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
         if host_pages:

@@ -14,6 +14,7 @@ from hicache.pools import PageAllocator
 from hicache.radix import RadixTree, TreeNode
 from hicache.stats import CacheStats
 from hicache.storage import BackendStats
+from hicache.transfer import LayerDoneCounter
 
 
 class MatchResult(NamedTuple):
@@ -31,6 +32,9 @@ class Acquired(NamedTuple):
     device_hit_tokens: int  # already on the device
     host_hit_tokens: int  # loaded back from host memory
     storage_hit_tokens: int  # prefetched from L3 for this request, then loaded back
+    # The load-back of the host-hit pages, issued layer by layer: the forward that first reads
+    # them waits per layer (`merge_wait_layer`); `wait_all()` before the pages are given back.
+    load: LayerDoneCounter | None = None
 
 
 class InsertResult(NamedTuple):
@@ -67,6 +71,7 @@ class PrefixCache(Protocol):
         request_id: str | None = None,
         input_tokens: int | None = None,
         count: bool = True,
+        layerwise: bool = False,
     ) -> Acquired: ...
 
     def record_admission(self, acq: Acquired, input_tokens: int) -> None: ...
@@ -94,6 +99,10 @@ class PrefixCache(Protocol):
     def wait_progress(self, timeout: float) -> bool:
         """Block up to `timeout` s until a background transfer completes (instead of spinning
         while every waiting request waits on one); True when an ack is ready for `poll`."""
+        ...
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A forward computed `tokens` prompt tokens in `seconds` (feeds load-vs-recompute)."""
         ...
 
     def flush(self, timeout: float | None = None) -> None: ...
@@ -153,6 +162,7 @@ class NoPrefixCache:
         request_id: str | None = None,
         input_tokens: int | None = None,
         count: bool = True,
+        layerwise: bool = False,
     ) -> Acquired:
         acq = Acquired([], 0, self._root, 0, 0, 0)
         if count:
@@ -219,6 +229,9 @@ class NoPrefixCache:
 
     def wait_progress(self, timeout: float) -> bool:
         return False  # no background transfers
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        pass  # nothing is ever loaded
 
     def flush(self, timeout: float | None = None) -> None:
         self._drop_orphans()

@@ -243,13 +243,14 @@ class PageMover:
             raise ValueError("device and host page lists differ in length")
         if not host_pages:
             return DONE
+        caller = torch.cuda.current_stream(self.device.device) if self.cuda else None
         with self._locks["write"], self._streams("write"):
             if self.cuda:
                 assert self.write_stream is not None
                 if isinstance(ready, torch.cuda.Event):
                     self.write_stream.wait_event(ready)
-                else:
-                    self.write_stream.wait_stream(torch.cuda.default_stream(self.device.device))
+                else:  # no event: wait for everything queued on the caller's stream so far
+                    self.write_stream.wait_stream(caller)
                 if isinstance(self._last_load, torch.cuda.Event):
                     self.write_stream.wait_event(self._last_load)  # host pages a load reads
             hp = np.asarray(host_pages, dtype=np.int64)
@@ -279,12 +280,14 @@ class PageMover:
         L = self.num_layers
         if not host_pages:
             return LayerDoneCounter([DONE], L)
+        # The caller's (compute) stream, taken before the load stream becomes current.
+        compute = torch.cuda.current_stream(self.device.device) if self.cuda else None
         with self._locks["load"], self._streams("load"):
             if self.cuda:
                 assert self.load_stream is not None
                 # The device pages may have been freed by work still queued on the compute
                 # stream; host pages may still be arriving from a write.
-                self.load_stream.wait_stream(torch.cuda.current_stream(self.device.device))
+                self.load_stream.wait_stream(compute)
                 if isinstance(self._last_write, torch.cuda.Event):
                     self.load_stream.wait_event(self._last_write)
             hp = np.asarray(host_pages, dtype=np.int64)

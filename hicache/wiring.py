@@ -64,4 +64,5 @@ def make_controller(
         batch_pages=config.storage_batch_pages,
         retry_backoff_s=config.storage_retry_backoff,
         synchronous=config.synchronous or config.simulated,
+        load_margin=config.load_margin,
     )

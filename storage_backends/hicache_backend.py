@@ -245,6 +245,23 @@ class HiCacheServerBackend(StorageBackend):
         return run
 
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+        if len(set(keys)) != len(keys):  # the server refuses repeated keys: ask for each once
+            first: dict[str, int] = {}
+            for i, k in enumerate(keys):
+                first.setdefault(k, i)
+            idx = list(first.values())
+            got = self._get_into([keys[i] for i in idx], [out[i] for i in idx])
+            res = [-1] * len(keys)
+            for i, n in zip(idx, got):
+                res[i] = n
+            for i, k in enumerate(keys):
+                f = first[k]
+                if i != f:
+                    res[i] = n = res[f]
+                    dst, src = byte_view(out[i]), byte_view(out[f])
+                    if n >= 0 and n == len(dst) == len(src):
+                        dst[:] = src
+            return res
         chunks = self._chunks(len(keys), [byte_view(o).nbytes for o in out])
         res = [-1] * len(keys)
 

@@ -118,6 +118,9 @@ class GenerateBody(_Body):
     stream: bool = False
     rid: str | None = None  # the client's name for the request (echoed as meta_info.id)
     extra_key: str | None = None
+    # Routing information a gateway (smg, sglang-router) adds to the body; one model is served,
+    # so it is accepted and not otherwise used.
+    model: str | None = None
 
 
 class StorageBody(_Body):
@@ -160,6 +163,9 @@ _GENERATE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "return_text_in_logprobs": _none_or(False), "image_data": _empty, "audio_data": _empty,
     "video_data": _empty, "lora_path": _none_or(), "return_hidden_states": _none_or(False),
     "custom_logit_processor": _none_or(), "session_params": _none_or(),
+    # Fields the smg gateway sends with every forwarded request, at these values.
+    "log_metrics": _none_or(True), "no_logs": _none_or(False), "background": _none_or(False),
+    "return_bytes": _none_or(False), "return_entropy": _none_or(False),
 }
 UNSUPPORTED: dict[type[BaseModel], dict[str, Callable[[Any], bool]]] = {
     CompletionBody: _OPENAI_UNSUPPORTED, ChatBody: _OPENAI_UNSUPPORTED,

@@ -39,6 +39,7 @@ class ErrorCode:
     UNAUTHORIZED = "unauthorized"  # missing or wrong auth token
     TOO_LARGE = "too_large"  # a frame over --max-frame-bytes, or too many frames
     INTERNAL = "internal"  # the server failed to execute a well-formed request
+    BUSY = "busy"  # too many reply bytes held for this connection (or all): read the replies
 
 
 class ProtocolError(StorageError):

@@ -9,11 +9,9 @@ each record it reads.
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -24,36 +22,24 @@ from typing import Any
 import zmq
 
 from storage_backends.server import protocol as P
+from storage_backends.server.budget import ReplyBudget, cap_reply
+from storage_backends.server.cli import (  # noqa: F401 - re-exported
+    AUTH_ENV,
+    DEFAULT_CLIENT_REPLY_BUDGET,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_PORT,
+    DEFAULT_REPLY_BUDGET,
+    build_parser,
+    parse_size,
+)
+from storage_backends.server.metrics import Metrics
 from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes, tune_malloc
 
 logger = logging.getLogger(__name__)
 
 SERVER_VERSION = "0.1.0"
-AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
-DEFAULT_PORT = 7480
-DEFAULT_MAX_FRAME = 64 << 20
 _KEEP_FRAME_BYTES = 64 << 10
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in `text`: `4096`, `512MiB`, `8GiB`, `1TiB` (binary), `8GB` (decimal), `8G` (binary)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 1TiB)")
-    number, unit, binary, b = m.groups()
-    unit = unit.lower()
-    if binary and not unit:
-        raise ValueError(f"not a size: {text!r}")
-    decimal = bool(unit) and bool(b) and not binary  # "8GB"
-    base = 1000 if decimal else 1024
-    value = float(number) * base ** _POWERS[unit]
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
-
+_FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, bookkeeping)
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -69,52 +55,8 @@ class ServerConfig:
     max_keys: int = 65536
     metrics_port: int | None = None
     io_threads: int = 2
-
-
-class _Metrics:
-    """Prometheus metrics of one server (a private registry, exported on --metrics-port)."""
-
-    def __init__(self, server: HiCacheServer, port: int) -> None:
-        import prometheus_client as pc
-
-        reg = pc.CollectorRegistry()
-        self.registry = reg
-        store = server.store
-        pages = pc.Gauge("hicache_server_pages", "Pages held in memory", registry=reg)
-        pages.set_function(lambda: store.pages)
-        nbytes = pc.Gauge("hicache_server_bytes", "Bytes of pages held in memory", registry=reg)
-        nbytes.set_function(lambda: store.bytes)
-        cap = pc.Gauge("hicache_server_capacity_bytes", "Memory tier capacity", registry=reg)
-        cap.set(server.config.capacity_bytes)
-        clients = pc.Gauge("hicache_server_connected_clients", "Connected clients", registry=reg)
-        clients.set_function(lambda: server.connected_clients)
-        self.hits = pc.Counter("hicache_server_hits", "Pages found by get", registry=reg)
-        self.misses = pc.Counter("hicache_server_misses", "Pages get did not find", registry=reg)
-        self.evictions = pc.Counter(
-            "hicache_server_evictions", "Pages evicted from memory (LRU)", registry=reg
-        )
-        self.errors = pc.Counter(
-            "hicache_server_errors", "Error replies by code", ["code"], registry=reg
-        )
-        self.latency = pc.Histogram(
-            "hicache_server_request_seconds",
-            "Request handling latency by op",
-            ["op"],
-            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1),
-            registry=reg,
-        )
-        if server.persist is not None:
-            wb = server.persist
-            pend = pc.Gauge(
-                "hicache_server_persist_pending", "Pages waiting to be persisted", registry=reg
-            )
-            pend.set_function(lambda: wb.pending)
-            self.persist_dropped = pc.Counter(
-                "hicache_server_persist_dropped",
-                "Pages not persisted because the write-behind queue was full",
-                registry=reg,
-            )
-        self.httpd, self.thread = pc.start_http_server(port, addr="127.0.0.1", registry=reg)
+    reply_budget_bytes: int = DEFAULT_REPLY_BUDGET
+    client_reply_budget_bytes: int = DEFAULT_CLIENT_REPLY_BUDGET
 
 
 class HiCacheServer:
@@ -135,6 +77,7 @@ class HiCacheServer:
                 config.persist_dir,
                 self.persist.loaded_pages,
             )
+        self.budget = ReplyBudget(config.reply_budget_bytes, config.client_reply_budget_bytes)
         self._token = config.auth_token.encode() if config.auth_token else None
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=config.io_threads)
@@ -153,10 +96,11 @@ class HiCacheServer:
             "requests": 0,
             "error_replies": 0,
             "unauthorized": 0,
+            "reply_truncated": 0,
         }
-        self.metrics: _Metrics | None = None
+        self.metrics: Metrics | None = None
         if config.metrics_port is not None:
-            self.metrics = _Metrics(self, config.metrics_port)
+            self.metrics = Metrics(self, config.metrics_port)
         logger.info(
             "hicache-server %s listening on tcp://%s:%d (capacity %d bytes, auth %s, "
             "persistence %s, max frame %d bytes%s)",
@@ -181,7 +125,12 @@ class HiCacheServer:
         poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(200))
+                # While replies are held for clients, look often for the written ones (their
+                # bytes free room for requests waiting on the budgets).
+                events = dict(poller.poll(1 if self.budget.busy else 200))
+                if self.budget.busy:
+                    self.budget.refresh()
+                    self._resume_waiting()
                 if self._monitor in events:
                     self._drain_monitor()
                 if self.sock in events:
@@ -210,13 +159,62 @@ class HiCacheServer:
                 msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident = msg[0]
+            ident = msg[0].bytes
             frames = msg[1:]
             envelope: list[Any] = []
             if len(frames) > 1 and len(frames[0]) == 0:  # a REQ client's empty delimiter
                 envelope, frames = [frames[0]], frames[1:]
-            reply = self.handle(frames)
-            self.sock.send_multipart([ident, *envelope, *P.encode(reply)], copy=False)
+            t0 = time.perf_counter()
+            req = self._parse(frames)
+            if self.budget.has_waiting(ident) or not self._fits(ident, req):
+                # Wait behind this connection's earlier requests, or for its replies to drain.
+                # Kept as received bytes (decoded again when it runs); small frames are copied
+                # out of ZeroMQ's shared receive buffers; each frame is charged its overhead.
+                kept: Any = [f if len(f) >= _KEEP_FRAME_BYTES else f.bytes for f in frames]
+                size = sum(len(f) + _FRAME_OVERHEAD for f in kept)
+                if isinstance(req, P.ErrorReply):  # already answered: wait as the reply
+                    kept, size = req, len(req.message) + _FRAME_OVERHEAD
+                if not self.budget.park(ident, (envelope, kept, t0), size):
+                    rid = req.request_id
+                    busy = self._error(
+                        P.ErrorCode.BUSY,
+                        "too many reply bytes held for this connection or in total "
+                        "(--client-reply-budget, --reply-budget): read the replies",
+                        rid,
+                    )
+                    self._send(ident, envelope, busy)
+                continue
+            self._send(ident, envelope, self._run(req, t0))
+
+    def _resume_waiting(self) -> None:
+        for ident in self.budget.waiting_idents():
+            while True:
+                item = self.budget.peek(ident)
+                if item is None:
+                    break
+                envelope, frames, t0 = item
+                req = frames if isinstance(frames, P.ErrorReply) else self._parse(frames, True)
+                if not self._fits(ident, req, waiting=True):
+                    break
+                self.budget.unpark(ident)
+                self._send(ident, envelope, self._run(req, t0))
+
+    def _fits(self, ident: bytes, req: P.Request | P.ErrorReply, waiting: bool = False) -> bool:
+        if not isinstance(req, P.GetRequest):
+            return True
+        return self.budget.fits(ident, self._reply_size(req.keys), waiting=waiting)
+
+    def _send(self, ident: bytes, envelope: list[Any], reply: P.Reply) -> None:
+        frames: list[Any] = list(P.encode(reply))
+        if isinstance(reply, P.GetReply) and reply.frames:
+            # The last frame is tracked: ZeroMQ frees a message's frames in order once written
+            # (or dropped with its connection), so its tracker says when the reply is gone.
+            last = zmq.Frame(frames[-1], copy=False, track=True)
+            frames[-1] = last
+            self.sock.send_multipart([ident, *envelope, *frames], copy=False)
+            self.budget.sent(ident, last.tracker, sum(nbytes(f) for f in reply.frames))
+            return
+        self.sock.send_multipart([ident, *envelope, *frames], copy=False)
 
     def _shutdown(self) -> None:
         logger.info("shutting down (%d pages in memory)", self.store.pages)
@@ -234,22 +232,39 @@ class HiCacheServer:
 
     def handle(self, frames: Sequence[Any]) -> P.Reply:
         """Answer one request (its frames after the routing envelope: `zmq.Frame`s or any
-        buffers). Never raises."""
-        t0 = time.perf_counter()
-        self.counters["requests"] += 1
-        op = "invalid"
+        buffers) at once, outside the reply budgets. Never raises."""
+        return self._run(self._parse(frames), time.perf_counter())
+
+    def _parse(self, frames: Sequence[Any], again: bool = False) -> P.Request | P.ErrorReply:
+        """The request, checked (frame sizes, decoding, token, keys); or the error reply
+        (`again`: a waiting request decoded once more, not counted twice)."""
+        self.counters["requests"] += 0 if again else 1
         try:
             self._check_frames(frames)
             req = P.decode(frames, expect="request")
-            op = req.TYPE
             assert isinstance(req, P.Request)
             self._check_auth(req)
-            reply = self._execute(req)
+            self._check_keys(req)
+            return req
         except P.ProtocolError as e:
-            reply = self._error(e.code, e.message, e.request_id)
+            return self._error(e.code, e.message, e.request_id)
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the server
             logger.exception("request failed")
-            reply = self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
+            return self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
+
+    def _run(self, req: P.Request | P.ErrorReply, t0: float) -> P.Reply:
+        op = "invalid"
+        if isinstance(req, P.ErrorReply):
+            reply: P.Reply = req
+        else:
+            op = req.TYPE
+            try:
+                reply = self._execute(req)
+            except P.ProtocolError as e:
+                reply = self._error(e.code, e.message, e.request_id)
+            except Exception as e:  # noqa: BLE001 - a bad request must never stop the server
+                logger.exception("request failed")
+                reply = self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
         if self.metrics is not None:
             self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
         return reply
@@ -288,13 +303,20 @@ class HiCacheServer:
                 P.ErrorCode.UNAUTHORIZED, "missing or wrong auth token", req.request_id
             )
 
-    def _execute(self, req: P.Request) -> P.Reply:
+    def _check_keys(self, req: P.Request) -> None:
         rid = req.request_id
         keys: list[str] = getattr(req, "keys", [])
         if len(keys) > self.config.max_keys:
             raise P.ProtocolError(
                 P.ErrorCode.TOO_LARGE, f"{len(keys)} keys; at most {self.config.max_keys}", rid
             )
+        if isinstance(req, P.GetRequest) and len(set(keys)) != len(keys):
+            # Each key's page would be sent once per mention: refused, not multiplied.
+            raise P.ProtocolError(P.ErrorCode.MALFORMED, "a key is repeated in one get", rid)
+
+    def _execute(self, req: P.Request) -> P.Reply:
+        rid = req.request_id
+        keys: list[str] = getattr(req, "keys", [])
         if isinstance(req, P.GetRequest):
             return self._get(rid, keys)
         if isinstance(req, P.SetRequest):
@@ -334,6 +356,13 @@ class HiCacheServer:
             run += 1
         return run
 
+    def _reply_size(self, keys: list[str]) -> int:
+        """Bytes of the reply `_get(keys)` would send (no side effects)."""
+        sizes = self.store.sizes(keys)
+        if self.persist is not None:
+            sizes = [n if n is not None else self.persist.size_of(k) for k, n in zip(keys, sizes)]
+        return cap_reply([-1 if n is None else n for n in sizes], self.budget.per_client_bytes)[1]
+
     def _get(self, rid: int, keys: list[str]) -> P.GetReply:
         values = self.store.get(keys)
         hits = sum(v is not None for v in values)
@@ -348,8 +377,13 @@ class HiCacheServer:
         if self.metrics is not None:
             self.metrics.hits.inc(hits)
             self.metrics.misses.inc(len(keys) - hits)
-        frames = [v for v in values if v is not None]
-        lengths = [-1 if v is None else nbytes(v) for v in values]
+        # One reply carries at most --client-reply-budget bytes: the pages past it are answered
+        # as absent (misses), so that one reply always fits the budget.
+        lengths, _ = cap_reply([-1 if v is None else nbytes(v) for v in values],
+                          self.budget.per_client_bytes)
+        if any(n < 0 and v is not None for n, v in zip(lengths, values)):
+            self.counters["reply_truncated"] += 1
+        frames = [v for v, n in zip(values, lengths) if n >= 0 and v is not None]
         return P.GetReply(request_id=rid, lengths=lengths, frames=frames)
 
     def _put_memory(self, key: str, value: Value, *, persist: bool, deadline: float = 0.0) -> bool:
@@ -399,6 +433,7 @@ class HiCacheServer:
             "rejected": c.rejected,
             "connected_clients": self.connected_clients,
             **self.counters,
+            **self.budget.counters(),
         }
         if self.persist is not None:
             out.update({f"persist_{k}": v for k, v in self.persist.counters().items()})
@@ -410,101 +445,13 @@ class HiCacheServer:
 # --------------------------------------------------------------------------------------------
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hicache-server",
-        description="Shared L3 page store for HiCache engines (ZeroMQ + msgpack). Engines use it "
-        "with --hicache-storage-backend hicache.",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1; bind another address only on a trusted "
-        "network, and set --auth-token)",
-    )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
-    p.add_argument(
-        "--capacity",
-        type=_size,
-        default="8GiB",
-        help="memory tier capacity: 512MiB, 8GiB, 1TiB, 8GB (decimal) or bytes; least recently "
-        "used pages are evicted beyond it (default 8GiB)",
-    )
-    p.add_argument(
-        "--persist-dir",
-        default=None,
-        help="directory to persist pages to (the `file` backend's layout); a restarted server "
-        "serves every page written before a clean shutdown. Default: memory only",
-    )
-    p.add_argument(
-        "--persist-queue",
-        type=int,
-        default=4096,
-        help="write-behind queue length in pages (default %(default)s); when full, a set waits "
-        "up to --persist-block-ms, then the page is kept in memory only and counted as dropped",
-    )
-    p.add_argument(
-        "--persist-block-ms",
-        type=int,
-        default=100,
-        help="how long a set may wait for room in a full write-behind queue (default %(default)s)",
-    )
-    p.add_argument(
-        "--persist-capacity",
-        type=_size,
-        default="0",
-        help="byte cap of the persisted pages, LRU-evicted beyond it (default 0: no cap)",
-    )
-    p.add_argument(
-        "--auth-token",
-        default=None,
-        help=f"shared token every request must carry (default: env {AUTH_ENV}; unset = no auth). "
-        "Prefer the environment variable: command lines are visible to other users",
-    )
-    p.add_argument(
-        "--max-frame-bytes",
-        type=_size,
-        default=str(DEFAULT_MAX_FRAME),
-        help="largest frame (one page record or a request header) accepted; larger ones get a "
-        "too_large error reply (default 64MiB)",
-    )
-    p.add_argument(
-        "--max-keys",
-        type=int,
-        default=65536,
-        help="most keys in one request (default %(default)s)",
-    )
-    p.add_argument(
-        "--io-threads",
-        type=int,
-        default=2,
-        help="ZeroMQ I/O threads (socket reads and writes run there, outside the GIL); more "
-        "help with many clients moving large pages (default %(default)s)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default %(default)s)",
-    )
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.client_reply_budget < args.max_frame_bytes:
+        parser.error("--client-reply-budget must be at least --max-frame-bytes (one page)")
+    if args.reply_budget < args.client_reply_budget:
+        parser.error("--reply-budget must be at least --client-reply-budget")
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -524,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_keys=args.max_keys,
         metrics_port=args.metrics_port,
         io_threads=args.io_threads,
+        reply_budget_bytes=args.reply_budget,
+        client_reply_budget_bytes=args.client_reply_budget,
     )
     server = HiCacheServer(config)
 
@@ -539,3 +488,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+

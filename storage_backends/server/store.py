@@ -7,6 +7,7 @@ is never copied on its way in or out.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -78,6 +79,12 @@ class PageStore:
             self.counters.hits += hits
             self.counters.misses += len(out) - hits
         return out
+
+    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Bytes of each page held (None: absent), without touching recency or counters."""
+        with self._lock:
+            values = [self._data.get(k) for k in keys]
+        return [None if v is None else nbytes(v) for v in values]
 
     def put(self, key: str, value: Value) -> tuple[bool, list[str]]:
         """Store one page; returns (stored, keys evicted to make room)."""
@@ -274,6 +281,19 @@ class WriteBehind:
                     v = self._inflight.get(k)
             out.append(v if v is not None else self._read(k))
         return out
+
+    def size_of(self, key: str) -> int | None:
+        """Bytes `get([key])` would return (None: absent), without reading the page."""
+        with self._cond:
+            v = self._pending.get(key)
+            if v is None:
+                v = self._inflight.get(key)
+        if v is not None:
+            return nbytes(v)
+        try:
+            return os.stat(self.backend.path_of(key)).st_size
+        except OSError:
+            return None
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Presence per key, stopping at the first absent one (the rest are reported False)."""

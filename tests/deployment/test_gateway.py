@@ -24,9 +24,11 @@ from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 
 pytestmark = pytest.mark.slow
 
+# NOTE: smg 1.13 adds a `model` field to the /generate bodies it forwards, which the engine's
+# strict request bodies refuse (400 unknown_field) unless told to drop unknown fields.
 SMALL = ["--max-total-tokens", "4096", "--max-running-requests", "8"]
-# NOTE: wait_complete, not the default best_effort: with best_effort an engine's scheduler
-# reaches a request before any of its L3 pages has arrived and computes the whole prompt.
+# wait_complete rather than the default `timeout`: the exact L3 hit counts below must not depend
+# on how loaded the machine is (`timeout` starts with what arrived within its budget).
 FLAGS = [*SMALL, "--hicache-storage-prefetch-policy", "wait_complete"]
 GATEWAY_FLAGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                  "--health-check-timeout-secs", "1"]

@@ -1,6 +1,6 @@
 """An idle engine's write-through reaches the shared L3 by itself: engine A serves a long prompt
 and is then left alone (nothing asks it anything); the store fills up anyway, and engine B,
-started afterwards, serves the prompt from L3 with A's greedy output."""
+started afterwards with default settings, serves the prompt from L3 with A's greedy output."""
 
 from __future__ import annotations
 
@@ -30,17 +30,16 @@ def test_idle_engine_backs_up_to_l3_and_another_engine_reads_it(tmp_path: Path) 
         # receives no request (not even a stats query) after its answer.
         full_pages = (prompt_tokens + len(out_a["output_ids"]) - 1) // PAGE
         assert wait_store_pages(store, full_pages) == full_pages
-        # NOTE: B waits for its whole L3 prefix (wait_complete). With best_effort, the default
-        # prefetch policy until it becomes `timeout`, B's scheduler reaches the request before
-        # any page has arrived and computes it all (0 storage hits).
-        b_flags = l3_flags(store, "--hicache-storage-prefetch-policy", "wait_complete")
+        b_flags = l3_flags(store)  # default settings (the `timeout` prefetch policy)
         b = EngineServer(tmp_path, b_flags, name="engine-b").start().wait_ready()
         time.sleep(max(0.0, 2.0 - (time.monotonic() - served_at)))  # B asks >= 2 s after A
         out_b = generate(b.url, LONG_PROMPT)
         assert out_b["output_ids"] == out_a["output_ids"]
         sb = b.stats()
         assert sb["storage_hit_tokens"] == out_b["meta_info"]["cached_tokens"]
-        assert sb["storage_hit_tokens"] == (prompt_tokens - 1) // PAGE * PAGE
+        # `timeout` takes what arrived within its budget: all of it unless the machine stalls.
+        assert 0 < sb["storage_hit_tokens"] <= (prompt_tokens - 1) // PAGE * PAGE
+        assert sb["storage_hit_tokens"] % PAGE == 0
         assert sb["device_hit_tokens"] == 0 and sb["corrupt_pages"] == 0
         # A's own counters agree with the store (asked only now).
         sa = a.stats()

@@ -91,7 +91,9 @@ def test_hierarchical_cache(
     prefetch_policy: str,
     backend: str,
 ) -> None:
-    extra: dict[str, Any] = {"prefetch_threshold": 8, "prefetch_timeout_base": 0.5}
+    # load_margin: always load (these tests check the tiers, not the load-vs-recompute plan).
+    extra: dict[str, Any] = {"prefetch_threshold": 8, "prefetch_timeout_base": 0.5,
+                             "load_margin": 1e9}
     if backend == "file":
         extra["path"] = str(tmp_path / "pages")
     with Engine(
@@ -133,7 +135,7 @@ def _run_on_file_l3(
         hicache_storage_backend="file",
         hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
-                                              "prefetch_threshold": 8},
+                                              "prefetch_threshold": 8, "load_margin": 1e9},
         **kw,
         **BASE,
     ) as e:

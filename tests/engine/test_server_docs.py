@@ -194,3 +194,31 @@ def test_documented_ready_line_and_requests(served: Any) -> None:
                       json.dumps(actual, ensure_ascii=False)))
                 continue
             matches(ex.expected, actual, f"docs/server.md:{ex.line}")
+
+
+def test_flags_table_matches_the_cli() -> None:
+    """Every flag row shows the flag's real default and choices."""
+    from dataclasses import MISSING, fields
+
+    from engine.args import EngineArgs
+    from engine.cli import build_parser
+
+    choices = {a.dest: a.choices for a in build_parser()._actions}
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"^\| `--([a-z0-9-]+)` \| (.*?) \| (.*?) \| (.*) \|$", line)
+        if m:
+            rows[m.group(1).replace("-", "_")] = (m.group(2), m.group(3))
+    for f in fields(EngineArgs):
+        assert f.name in rows, f.name
+        shown, values = rows[f.name]
+        default = f.default if f.default is not MISSING else None
+        if default is None:
+            want = "—"
+        elif isinstance(default, bool):
+            want = "on" if default else "off"
+        else:
+            want = f"`{default}`"
+        assert shown == want, (f.name, shown, want)
+        if choices.get(f.name):
+            assert values == ", ".join(f"`{c}`" for c in choices[f.name]), (f.name, values)

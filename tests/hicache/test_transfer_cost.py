@@ -152,3 +152,11 @@ def test_fast_backend_keeps_loading():
     plan = cache.controller.plan_load(64, 640, page_size=4)
     assert (plan.host_tokens, plan.storage_tokens, plan.recompute_tokens) == (64, 640, 0)
     cache.close()
+
+
+def test_a_load_is_kept_unless_recomputing_saves_min_saving_s():
+    # Storage costs 11 ms/token against 5 ms/token to recompute: 16 tokens would save 96 ms,
+    # under the default 0.1 s, so they are loaded; 32 tokens save 192 ms and are recomputed.
+    assert model().plan(0, 16).storage_tokens == 16
+    assert model().plan(0, 32).storage_tokens == 0
+    assert model(min_saving_s=0.0).plan(0, 16).storage_tokens == 0

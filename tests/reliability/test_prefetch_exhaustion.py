@@ -99,7 +99,8 @@ def test_host_pool_exhausted_with_prefetches_in_flight() -> None:
         # r0's pages arrived after its admission and were dropped. (r1 was cancelled before the
         # single prefetch worker reached it: its reserved pages were freed unread, uncounted.)
         assert st.prefetch_revoked_pages == PROMPT_PAGES
-        assert st.prefetch_skipped >= 4
+        # Four probes found no host room; the fresh request's prefetch had no allowance left.
+        assert st.prefetch_skipped == 5
         use = cache.usage()
         assert (use["host_inflight_pages"], use["pending_prefetches"]) == (0, 0)
         assert use["host_pages_free"] + use["host_cached_tokens"] // PAGE == 2 * PROMPT_PAGES
@@ -118,6 +119,50 @@ def test_host_pool_exhausted_with_prefetches_in_flight() -> None:
         assert cache.host_alloc.num_free == 2 * PROMPT_PAGES
         assert cache.device_alloc.num_free == 64
         assert all(t.is_alive() for t in cache.controller._threads)
+    finally:
+        backend.gate.set()
+        cache.close()
+
+
+def test_default_share_keeps_half_the_host_pool_free_of_prefetches() -> None:
+    """With the default `prefetch_max_host_share` (0.5) prefetches never take more than half
+    the host pool, however many are asked: one 8-page prefetch fits in 16 host pages, the
+    other five (probe answered, or not started for lack of allowance) take nothing."""
+    shared = f"exhaustion-share-{uuid.uuid4().hex}"
+    writer = tensor_cache(page_size=PAGE, device_pages=64, host_pages=64,
+                          storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    with writer:
+        for i in range(6):
+            run_request(writer, prompt(i), rid=f"w{i}", fill=True)
+        writer.flush()
+    backend = GatedBackend(shared)
+    cache = tensor_cache(page_size=PAGE, device_pages=64, host_pages=2 * PROMPT_PAGES,
+                         storage=backend, synchronous=False)
+    try:
+        backend.gate.clear()
+        for i in range(6):
+            cache.prefetch(f"r{i}", prompt(i))
+        deadline = time.monotonic() + 30
+        while cache.usage()["pending_prefetches"] != 1:
+            assert time.monotonic() < deadline, "the L3 probes were never answered"
+            cache.poll()
+            time.sleep(0.002)
+        assert backend.waiting.acquire(timeout=30)  # the one fetch is parked at the gate
+        use = cache.usage()
+        assert (use["host_pages_free"], use["host_inflight_pages"]) == (PROMPT_PAGES,
+                                                                          PROMPT_PAGES)
+        cache.check_integrity(outside_device_pages=0)
+        backend.gate.set()
+        cache.flush(timeout=60)
+        (rid,) = cache.prefetcher.pending  # the one that got host pages, until admitted
+        i = int(rid[1:])
+        acq = cache.acquire(prompt(i), request_id=rid)
+        assert acq.storage_hit_tokens == PROMPT_PAGES * PAGE
+        cache.release(acq.node)
+        use = cache.usage()
+        assert (use["host_inflight_pages"], use["pending_prefetches"]) == (0, 0)
+        assert (cache.stats.prefetch_started, cache.stats.prefetch_skipped) == (1, 5)
+        cache.check_integrity(outside_device_pages=0)
     finally:
         backend.gate.set()
         cache.close()

@@ -620,3 +620,23 @@ def test_metrics_and_lifecycle_logs(tmp_path: Path) -> None:
     log = srv.log()
     assert "listening on tcp://127.0.0.1:" in log
     assert "shutdown complete" in log
+
+
+def test_get_with_repeated_keys(tmp_path: Path, raw: Callable[[str], RawClient]) -> None:
+    """The server refuses a get naming a key twice (the page would be multiplied in the
+    reply); the client asks for each key once and fills every buffer that asked for it."""
+    c = codec()
+    with hicache_server(tmp_path) as srv:
+        b = srv.client()
+        keys = [page_key("dup", i) for i in range(3)]
+        recs = [page_record(c, "dup", i) for i in range(3)]
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 3
+        order = [0, 1, 0, 2, 0]
+        out = [memoryview(bytearray(c.record_bytes)) for _ in order]
+        assert b.batch_get([keys[i] for i in order], out) == [True] * 5
+        assert [bytes(o) for o in out] == [bytes(recs[i]) for i in order]
+        assert b.stats().errors == 0
+        b.close()
+        r = raw(srv.url).request(P.GetRequest(request_id=5, keys=[keys[0], keys[0]]))
+        assert isinstance(r, P.ErrorReply)
+        assert (r.code, r.request_id) == (P.ErrorCode.MALFORMED, 5)

@@ -1,0 +1,141 @@
+"""The `hicache-server` command line: flags and sizes (`main` is in `server.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
+DEFAULT_PORT = 7480
+DEFAULT_MAX_FRAME = 64 << 20
+DEFAULT_REPLY_BUDGET = 1 << 30
+DEFAULT_CLIENT_REPLY_BUDGET = 64 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `4096`, `512MiB`, `8GiB`, `1TiB` (binary), `8GB` (decimal), `8G` (binary)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 1TiB)")
+    number, unit, binary, b = m.groups()
+    unit = unit.lower()
+    if binary and not unit:
+        raise ValueError(f"not a size: {text!r}")
+    decimal = bool(unit) and bool(b) and not binary  # "8GB"
+    base = 1000 if decimal else 1024
+    value = float(number) * base ** _POWERS[unit]
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hicache-server",
+        description="Shared L3 page store for HiCache engines (ZeroMQ + msgpack). Engines use it "
+        "with --hicache-storage-backend hicache.",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; bind another address only on a trusted "
+        "network, and set --auth-token)",
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
+    p.add_argument(
+        "--capacity",
+        type=_size,
+        default="8GiB",
+        help="memory tier capacity: 512MiB, 8GiB, 1TiB, 8GB (decimal) or bytes; least recently "
+        "used pages are evicted beyond it (default 8GiB)",
+    )
+    p.add_argument(
+        "--persist-dir",
+        default=None,
+        help="directory to persist pages to (the `file` backend's layout); a restarted server "
+        "serves every page written before a clean shutdown. Default: memory only",
+    )
+    p.add_argument(
+        "--persist-queue",
+        type=int,
+        default=4096,
+        help="write-behind queue length in pages (default %(default)s); when full, a set waits "
+        "up to --persist-block-ms, then the page is kept in memory only and counted as dropped",
+    )
+    p.add_argument(
+        "--persist-block-ms",
+        type=int,
+        default=100,
+        help="how long a set may wait for room in a full write-behind queue (default %(default)s)",
+    )
+    p.add_argument(
+        "--persist-capacity",
+        type=_size,
+        default="0",
+        help="byte cap of the persisted pages, LRU-evicted beyond it (default 0: no cap)",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"shared token every request must carry (default: env {AUTH_ENV}; unset = no auth). "
+        "Prefer the environment variable: command lines are visible to other users",
+    )
+    p.add_argument(
+        "--max-frame-bytes",
+        type=_size,
+        default=str(DEFAULT_MAX_FRAME),
+        help="largest frame (one page record or a request header) accepted; larger ones get a "
+        "too_large error reply (default 64MiB)",
+    )
+    p.add_argument(
+        "--max-keys",
+        type=int,
+        default=65536,
+        help="most keys in one request (default %(default)s)",
+    )
+    p.add_argument(
+        "--reply-budget",
+        type=_size,
+        default=str(DEFAULT_REPLY_BUDGET),
+        help="most bytes held for all clients together beyond the page store: replies not yet "
+        "written to a socket plus requests waiting for room (default 1GiB). Server memory "
+        "stays within --capacity plus this",
+    )
+    p.add_argument(
+        "--client-reply-budget",
+        type=_size,
+        default=str(DEFAULT_CLIENT_REPLY_BUDGET),
+        help="the same, per connection (default 64MiB); also the most page bytes in one get "
+        "reply. A client that does not read its replies waits, then gets `busy` errors",
+    )
+    p.add_argument(
+        "--io-threads",
+        type=int,
+        default=2,
+        help="ZeroMQ I/O threads (socket reads and writes run there, outside the GIL); more "
+        "help with many clients moving large pages (default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (default: off)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default %(default)s)",
+    )
+    return p
