@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -118,6 +118,13 @@ class RecordChecker:
         return self._res
 
 
+def _paired(keys: Sequence[str], other: Sized, what: str) -> bool:
+    """Whether a batch has any keys; ValueError when its `what` do not pair up with them."""
+    if len(keys) != len(other):
+        raise ValueError(f"{len(keys)} keys but {len(other)} {what}")
+    return bool(keys)
+
+
 class StorageBackend(ABC):
     """An L3 page store shared by many cache instances.
 
@@ -208,14 +215,16 @@ class StorageBackend(ABC):
             return str(e)
         return None
 
+    def _check_results(self, keys: Sequence[str], results: Sized, method: str) -> None:
+        """A subclass's `method` answered one result per key (else a bug: AssertionError)."""
+        if len(results) != len(keys):
+            raise AssertionError(f"{type(self).__name__}{method} returned {len(results)} results")
+
     def batch_get(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(out):
-            raise ValueError(f"{len(keys)} keys but {len(out)} buffers")
-        if not keys:
+        if not _paired(keys, out, "buffers"):
             return []
         checked = self._get_checked(keys, out)
-        if len(checked) != len(keys):
-            raise AssertionError(f"{type(self).__name__} returned {len(checked)} results")
+        self._check_results(keys, checked, "")
         ok: list[bool] = []
         bad: list[str] = []
         nbytes = 0
@@ -239,13 +248,10 @@ class StorageBackend(ABC):
         return ok
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
+        if not _paired(keys, values, "values"):
             return []
         ok = self._set_from(keys, values)
-        if len(ok) != len(keys):
-            raise AssertionError(f"{type(self).__name__}._set_from returned {len(ok)} results")
+        self._check_results(keys, ok, "._set_from")
         written = sum(memoryview(v).nbytes for v, stored in zip(values, ok) if stored)
         self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
         return ok

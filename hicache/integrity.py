@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from hicache.owner import CacheOwner
+    from hicache.pools import PageAllocator
     from hicache.radix import TreeNode
 
 
@@ -46,6 +49,18 @@ def usage(c: CacheOwner, pending_prefetches: int) -> dict[str, int]:
     }
 
 
+def _check_pages(
+    x: TreeNode, tier: str, pages: Sequence[int], n: int, alloc: PageAllocator, seen: set[int]
+) -> None:
+    """Node `x` holds one `tier` page per key page; each is allocated and owned by `x` alone
+    (`seen`: the pages of the nodes checked so far, `x`'s are added)."""
+    assert len(pages) == n, f"{x}: {len(pages)} {tier} pages for {n} pages"
+    for pg in pages:
+        assert pg not in seen, f"{tier} page {pg} owned twice"
+        assert alloc.is_used(pg), f"{tier} page {pg} in tree but free"
+        seen.add(pg)
+
+
 def _check_node(c: CacheOwner, x: TreeNode, dev_seen: set[int], host_seen: set[int]) -> None:
     ps = c.page_size
     p = x.parent
@@ -55,18 +70,10 @@ def _check_node(c: CacheOwner, x: TreeNode, dev_seen: set[int], host_seen: set[i
     n = len(x.key) // ps
     assert x.value is not None or x.host_value is not None, f"{x} on no tier"
     if x.value is not None:
-        assert len(x.value) == n, f"{x}: {len(x.value)} device pages for {n} pages"
         assert p.value is not None, f"{x} on device under a node that is not"
-        for pg in x.value:
-            assert pg not in dev_seen, f"device page {pg} owned twice"
-            assert c.device_alloc.is_used(pg), f"device page {pg} in tree but free"
-            dev_seen.add(pg)
+        _check_pages(x, "device", x.value, n, c.device_alloc, dev_seen)
     if x.host_value is not None:
-        assert len(x.host_value) == n, f"{x}: {len(x.host_value)} host pages for {n}"
-        for pg in x.host_value:
-            assert pg not in host_seen, f"host page {pg} owned twice"
-            assert c.host_alloc.is_used(pg), f"host page {pg} in tree but free"
-            host_seen.add(pg)
+        _check_pages(x, "host", x.host_value, n, c.host_alloc, host_seen)
     if x.page_keys is not None:
         assert len(x.page_keys) == n, f"{x}: {len(x.page_keys)} keys for {n} pages"
     dc = sum(ch.value is not None for ch in x.children.values())

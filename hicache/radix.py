@@ -8,7 +8,7 @@ the per-node fields; `HiRadixCache` gives them meaning.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import count
 from typing import NamedTuple
 
@@ -270,29 +270,36 @@ class RadixTree:
 
     def dec_lock(self, node: TreeNode) -> list[TreeNode]:
         """Release one lock; return the nodes whose count reached zero."""
-        freed = []
-        for x in self.path(node):
-            if x.lock_ref <= 0:
-                raise RuntimeError(f"lock_ref underflow on {x}")
-            x.lock_ref -= 1
-            if x.lock_ref == 0:
-                freed.append(x)
-                if x.value is not None:
-                    self.locked_device_pages -= len(x.value)
-        return freed
+        return self._dec_ref(node, "lock_ref", self._unlocked)
+
+    def _unlocked(self, x: TreeNode) -> None:
+        if x.value is not None:
+            self.locked_device_pages -= len(x.value)
 
     def inc_host_ref(self, node: TreeNode) -> None:
         for x in self.path(node):
             x.host_ref += 1
 
     def dec_host_ref(self, node: TreeNode) -> list[TreeNode]:
+        """Release one host pin; return the nodes whose count reached zero."""
+        return self._dec_ref(node, "host_ref")
+
+    def _dec_ref(
+        self, node: TreeNode, ref: str, on_zero: Callable[[TreeNode], None] | None = None
+    ) -> list[TreeNode]:
+        """Decrement counter `ref` along the path from `node` to the root, calling `on_zero` on
+        each node whose count reaches zero; those nodes. Underflow raises at the node where it
+        happens (the nodes below it stay decremented)."""
         freed = []
         for x in self.path(node):
-            if x.host_ref <= 0:
-                raise RuntimeError(f"host_ref underflow on {x}")
-            x.host_ref -= 1
-            if x.host_ref == 0:
+            n = getattr(x, ref)
+            if n <= 0:
+                raise RuntimeError(f"{ref} underflow on {x}")
+            setattr(x, ref, n - 1)
+            if n == 1:
                 freed.append(x)
+                if on_zero is not None:
+                    on_zero(x)
         return freed
 
     # -- iteration ---------------------------------------------------------------------------

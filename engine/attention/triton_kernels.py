@@ -82,6 +82,35 @@ def store_kv(
 
 
 @triton.jit
+def _kv_block(
+    Row, n0, end, head_off, stride_bt, offs_d, mask_d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """KV tokens n0 .. n0 + BLOCK_N - 1 (those < end) of one request, whose page-table row
+    starts at `Row`: their positions, mask, element offsets in the paged K/V buffers (head at
+    `head_off`) and the mask of those offsets."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(Row + offs_n // PAGE, mask=mask_n, other=0)
+    slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+    kv_off = slot[:, None] * stride_bt + head_off + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    return offs_n, mask_n, kv_off, kv_mask
+
+
+@triton.jit
+def _softmax_step(qk, q, VPtrs, kv_mask, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One online-softmax step: fold the masked scores `qk` and their V rows (at `VPtrs`) into
+    the running max `m_i`, denominator `l_i` and weighted sum `acc`; the new three."""
+    m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    v = tl.load(VPtrs, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, KBuf, VBuf, PageTable, KvLens, MidO, MidLse, sm_scale,
     stride_qt, stride_qh, stride_bt, stride_bh, stride_pt,
@@ -107,22 +136,13 @@ def _decode_stage1(
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-        kv_off = slot[:, None] * stride_bt + kvh * stride_bh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
+        offs_n, mask_n, kv_off, kv_mask = _kv_block(
+            PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
+            PAGE, BLOCK_N)
         k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, q, VBuf + kv_off, kv_mask, m_i, l_i, acc, DOT_PREC)
     has = l_i > 0.0  # an empty split (short sequence) reports -inf and a zero partial
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -221,24 +241,15 @@ def _extend_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(0, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-        kv_off = slot[:, None] * stride_bt + kvh * stride_bh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
+        offs_n, mask_n, kv_off, kv_mask = _kv_block(
+            PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
+            PAGE, BLOCK_N)
         k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every row, so each row's max is finite after the first block.
         ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
         qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, q, VBuf + kv_off, kv_mask, m_i, l_i, acc, DOT_PREC)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])

@@ -124,6 +124,26 @@ def test_hierarchical_cache(
     storage_hits[f"{write_policy}/{prefetch_policy}/{backend}"] = int(st["storage_hit_tokens"])
 
 
+def _run_on_file_l3(
+    tiny_model: Path, sessions: Any, tmp_path: Path, **kw: Any
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Run the sessions on an engine with host and `file` L3 tiers (prefetches waited for),
+    check it ends idle; its outputs and cache stats."""
+    with Engine(
+        model_path=str(tiny_model),
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
+                                              "prefetch_threshold": 8, "load_margin": 1e9},
+        **kw,
+        **BASE,
+    ) as e:
+        out = run_sessions(e, sessions)
+        _check_idle(e)
+        return out, e.cache_stats()
+
+
 @pytest.mark.parametrize(
     ("layout", "io_backend"),
     [("page_first", "direct"), ("page_first_direct", "kernel"), ("layer_first", "kernel")],
@@ -136,20 +156,8 @@ def test_host_layouts(
     layout: str,
     io_backend: str,
 ) -> None:
-    with Engine(
-        model_path=str(tiny_model),
-        enable_hierarchical_cache=True,
-        hicache_mem_layout=layout,
-        hicache_io_backend=io_backend,
-        hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="wait_complete",
-        hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
-                                              "prefetch_threshold": 8, "load_margin": 1e9},
-        **BASE,
-    ) as e:
-        out = run_sessions(e, sessions)
-        _check_idle(e)
-        st = e.cache_stats()
+    out, st = _run_on_file_l3(tiny_model, sessions, tmp_path, hicache_mem_layout=layout,
+                              hicache_io_backend=io_backend)
     assert out == reference
     assert st["host_hit_tokens"] > 0 and st["storage_hit_tokens"] > 0
 
@@ -158,20 +166,8 @@ def test_host_memory_as_a_buffer_only(
     tiny_model: Path, sessions: Any, reference: list[list[int]], tmp_path: Path
 ) -> None:
     """buffer_only: host memory stages pages to and from L3 and caches none; outputs equal."""
-    with Engine(
-        model_path=str(tiny_model),
-        enable_hierarchical_cache=True,
-        hicache_host_memory_mode="buffer_only",
-        hicache_synchronous=True,
-        hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="wait_complete",
-        hicache_storage_backend_extra_config={"path": str(tmp_path / "p"),
-                                              "prefetch_threshold": 8, "load_margin": 1e9},
-        **BASE,
-    ) as e:
-        out = run_sessions(e, sessions)
-        _check_idle(e)
-        st = e.cache_stats()
+    out, st = _run_on_file_l3(tiny_model, sessions, tmp_path,
+                              hicache_host_memory_mode="buffer_only", hicache_synchronous=True)
     assert out == reference
     assert st["host_hit_tokens"] == 0 and st["storage_hit_tokens"] > 0
     assert st["usage"]["host_cached_tokens"] == 0

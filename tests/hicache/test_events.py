@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, block_hash
 from tests.hicache.factories import sim_cache
-from tests.hicache.test_randomized import family_tokens
+from tests.hicache.test_randomized import start_request
 
 
 class Rebuild:
@@ -68,17 +68,11 @@ def test_events_rebuild_every_tier_exactly(write_policy, host_memory_mode, ops, 
     for kind, a, b in ops:
         if kind == "start":
             rid += 1
-            tokens = family_tokens(a, b, page_size)
-            cache.prefetch(str(rid), tokens)
-            acq = cache.acquire(tokens, request_id=str(rid))
-            need = b - len(acq.device_pages)
-            new = cache.alloc_device(need) if need > 0 else []
-            if new is None:
-                cache.release(acq.node)
-            else:
-                running.append((tokens, list(acq.device_pages) + new, acq.node))
+            req = start_request(cache, rid, a, b, page_size, wait=False)
+            if req is not None:
+                running.append(req)
         elif kind == "finish" and running:
-            tokens, pages, node = running.pop(a % len(running))
+            tokens, pages, node, _ = running.pop(a % len(running))
             cache.insert(tokens, pages)
             cache.release(node)
         elif kind == "evict":

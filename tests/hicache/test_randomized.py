@@ -31,6 +31,23 @@ def family_tokens(fam: int, pages: int, ps: int) -> list[int]:
     return out
 
 
+def start_request(cache, rid: int, fam: int, pages: int, ps: int, *, wait: bool = True):
+    """Prefetch, admit and allocate request `rid` of family `fam` with `pages` pages: its
+    (tokens, pages, locked node, pages newly allocated), or None (and nothing held) when the
+    device pool has no room. `wait` waits until the prefetch policy lets it be scheduled."""
+    tokens = family_tokens(fam, pages, ps)
+    cache.prefetch(str(rid), tokens)
+    while wait and not cache.prefetch_ready(str(rid)):  # wait_complete / timeout policies
+        time.sleep(0.001)
+    acq = cache.acquire(tokens, request_id=str(rid))
+    need = pages - len(acq.device_pages)
+    new = cache.alloc_device(need) if need > 0 else []
+    if new is None:
+        cache.release(acq.node)
+        return None
+    return tokens, list(acq.device_pages) + new, acq.node, len(new)
+
+
 def run_ops(cache, ops, ps):
     running: list[tuple] = []
     outside = 0
@@ -38,18 +55,10 @@ def run_ops(cache, ops, ps):
     for kind, a, b in ops:
         if kind == "start":
             rid += 1
-            tokens = family_tokens(a, b, ps)
-            cache.prefetch(str(rid), tokens)
-            while not cache.prefetch_ready(str(rid)):  # wait_complete / timeout policies
-                time.sleep(0.001)
-            acq = cache.acquire(tokens, request_id=str(rid))
-            need = b - len(acq.device_pages)
-            new = cache.alloc_device(need) if need > 0 else []
-            if new is None:
-                cache.release(acq.node)
-            else:
-                running.append((tokens, list(acq.device_pages) + new, acq.node, len(new)))
-                outside += len(new)
+            req = start_request(cache, rid, a, b, ps)
+            if req is not None:
+                running.append(req)
+                outside += req[3]
         elif kind == "finish" and running:
             tokens, pages, node, n_new = running.pop(a % len(running))
             res = cache.insert(tokens, pages)

@@ -114,6 +114,11 @@ class Reference:
                 self._memo[tuple(p)] = out
         return [self._memo[tuple(p)] for p in prompts]
 
+    def assert_matches(self, engine: Engine, prompts: Sequence[Sequence[int]],
+                       extra_key: str | None = None) -> None:
+        """`engine`'s greedy outputs for `prompts` (under `extra_key`) equal caching off."""
+        assert outputs(engine, prompts, extra_key=extra_key) == self(prompts)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> None:

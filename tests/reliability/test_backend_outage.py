@@ -17,7 +17,6 @@ from tests.procs import ManagedProcess, free_port, wait_for_port
 from tests.reliability.conftest import (
     Reference,
     make_prompts,
-    outputs,
     settle,
     stat,
     storage_engine,
@@ -28,7 +27,12 @@ from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 from tests.storage_backends.mooncake_procs import ENV as MOONCAKE_ENV
 from tests.storage_backends.mooncake_procs import master_binary
 from tests.storage_backends.mooncake_procs import skip_reason as mooncake_skip_reason
-from tests.storage_backends.redis_servers import HAVE_REDIS, SKIP_REASON, RedisServer
+from tests.storage_backends.redis_servers import (
+    HAVE_REDIS,
+    SKIP_REASON,
+    RedisServer,
+    RestartableServer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +65,16 @@ def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], object
                  restart: Callable[[], object], seed: int, resume_timeout: float = 90.0) -> None:
     burst = make_prompts(24, seed)
     killer = _kill_during_writes(engine, kill)
-    assert outputs(engine, burst) == reference(burst)
+    reference.assert_matches(engine, burst)
     killer.join()
     # The outage: new prompts are computed, repeated ones come from L1/L2; nothing from L3.
     l3_hits = stat(engine, "storage_hit_tokens")
     during = make_prompts(8, seed + 1)
-    assert outputs(engine, during) == reference(during)
-    assert outputs(engine, burst[:8]) == reference(burst[:8])
+    reference.assert_matches(engine, during)
+    reference.assert_matches(engine, burst[:8])
     assert stat(engine, "device_hit_tokens") > 0
     engine.wait_transfers(120)
-    assert outputs(engine, during) == reference(during)
+    reference.assert_matches(engine, during)
     assert stat(engine, "storage_hit_tokens") == l3_hits
     assert _failures(engine) > 0, "the outage was not counted"
     assert all(threads_alive(engine)) and len(threads_alive(engine)) == 3
@@ -83,17 +87,17 @@ def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], object
     while True:
         attempt += 1
         fresh = make_prompts(8, seed + 100 + attempt)
-        assert outputs(engine, fresh) == reference(fresh)
+        reference.assert_matches(engine, fresh)
         settle(engine)
         before = stat(engine, "storage_hit_tokens")
-        assert outputs(engine, fresh) == reference(fresh)
+        reference.assert_matches(engine, fresh)
         if stat(engine, "storage_hit_tokens") > before:
             break
         assert time.monotonic() < deadline, "storage hits never resumed after the restart"
         time.sleep(0.5)
     # Pages that were in L3 before the crash and are there again are served intact.
     settle(engine)
-    assert outputs(engine, burst) == reference(burst)
+    reference.assert_matches(engine, burst)
     assert storage_stat(engine, "corrupt_pages") == 0
     assert all(threads_alive(engine)) and len(threads_alive(engine)) == 3
     engine.wait_transfers(120)
@@ -122,7 +126,7 @@ def test_hicache_server_with_persistence_keeps_pages_over_a_kill(
         extra = {"url": srv.url, "timeout_ms": 500}
         prompts = make_prompts(8, 20)
         with storage_engine(tiny_model, "hicache", extra) as engine:
-            assert outputs(engine, prompts) == reference(prompts)
+            reference.assert_matches(engine, prompts)
             settle(engine)
             time.sleep(1.0)  # the server's write-behind thread reaches the disk
             srv.kill()
@@ -131,7 +135,7 @@ def test_hicache_server_with_persistence_keeps_pages_over_a_kill(
             deadline = time.monotonic() + 60
             while stat(engine, "storage_hit_tokens") == before:
                 assert time.monotonic() < deadline, "persisted pages never served"
-                assert outputs(engine, prompts) == reference(prompts)
+                reference.assert_matches(engine, prompts)
                 settle(engine)
                 time.sleep(0.2)
             assert storage_stat(engine, "corrupt_pages") == 0
@@ -153,10 +157,11 @@ def test_redis_server_killed_mid_write_burst(tmp_path: Path, tiny_model: Path,
         server.stop()
 
 
-class MooncakeMaster:
+class MooncakeMaster(RestartableServer):
     """`mooncake_master` that can be SIGKILLed and started again on the same port."""
 
     def __init__(self, log_dir: Path) -> None:
+        super().__init__()
         binary = master_binary()
         assert binary is not None
         self.port, metrics = free_port(), free_port()
@@ -170,8 +175,6 @@ class MooncakeMaster:
             "--enable_http_metadata_server=false",
         ]
         self.log_dir = log_dir
-        self.proc: ManagedProcess | None = None
-        self.starts = 0
 
     @property
     def address(self) -> str:
@@ -182,14 +185,6 @@ class MooncakeMaster:
         self.proc = ManagedProcess(self.argv, self.log_dir / f"master-{self.starts}.log",
                                    env=MOONCAKE_ENV).start()
         wait_for_port(self.port, proc=self.proc.proc)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
 
 
 @pytest.fixture

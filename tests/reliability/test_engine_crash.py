@@ -22,7 +22,6 @@ from tests.reliability.conftest import (
     Reference,
     engine_kwargs,
     make_prompts,
-    outputs,
     settle,
     stat,
     storage_engine,
@@ -100,11 +99,11 @@ def test_engine_killed_during_write_back(tmp_path: Path, tiny_model: Path,
     prompts = [p for i in range(batches + 1) for p in make_prompts(8, 1000 + i)]
     with storage_engine(tiny_model, "file", {"path": str(root)},
                         hicache_write_policy=policy) as engine:
-        assert outputs(engine, prompts) == reference(prompts)
+        reference.assert_matches(engine, prompts)
         assert stat(engine, "storage_hit_tokens") > 0
         assert storage_stat(engine, "corrupt_pages") == 0
         assert stat(engine, "corrupt_pages") == 0
         settle(engine)
-        assert outputs(engine, prompts[:16]) == reference(prompts[:16])
+        reference.assert_matches(engine, prompts[:16])
         assert storage_stat(engine, "corrupt_pages") == 0
         assert all(threads_alive(engine))

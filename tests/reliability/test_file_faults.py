@@ -25,7 +25,6 @@ from tests.reliability.conftest import (
     Reference,
     engine_kwargs,
     make_prompts,
-    outputs,
     settle,
     stat,
     storage_engine,
@@ -76,14 +75,14 @@ def test_damaged_pages_are_counted_misses(tmp_path: Path, tiny_model: Path,
     root = tmp_path / "pages"
     prompts = make_prompts(4, 50, shared=0)
     with storage_engine(tiny_model, "file", {"path": str(root)}) as engine:
-        assert outputs(engine, prompts) == reference(prompts)
+        reference.assert_matches(engine, prompts)
         settle(engine)
         for i, p in enumerate(prompts):
             keys = chain_keys(engine, p[:-1])
             other = chain_keys(engine, prompts[(i + 1) % len(prompts)][:-1])[DAMAGED_PAGE]
             damage(root, keys[DAMAGED_PAGE], other, how)
         hits0 = stat(engine, "storage_hit_tokens")
-        assert outputs(engine, prompts) == reference(prompts)
+        reference.assert_matches(engine, prompts)
         # Each prompt got exactly its intact leading pages from L3, then recomputed the rest.
         assert stat(engine, "storage_hit_tokens") - hits0 == len(prompts) * DAMAGED_PAGE * PAGE_SIZE
         corrupt = 0 if how == "half-written" else len(prompts)
@@ -96,7 +95,7 @@ def test_damaged_pages_are_counted_misses(tmp_path: Path, tiny_model: Path,
         for p in prompts:
             assert page_path(root, chain_keys(engine, p[:-1])[DAMAGED_PAGE]).exists()
         hits1 = stat(engine, "storage_hit_tokens")
-        assert outputs(engine, prompts) == reference(prompts)
+        reference.assert_matches(engine, prompts)
         full = sum((len(p) - 1) // PAGE_SIZE * PAGE_SIZE for p in prompts)
         assert stat(engine, "storage_hit_tokens") - hits1 == full
         assert storage_stat(engine, "corrupt_pages") == corrupt
@@ -114,16 +113,16 @@ def test_directory_replaced_by_a_file_fails_writes_cleanly(
     root = tmp_path / "pages"
     first, second = make_prompts(4, 60), make_prompts(4, 61)
     with storage_engine(tiny_model, "file", {"path": str(root)}) as engine:
-        assert outputs(engine, first) == reference(first)
+        reference.assert_matches(engine, first)
         settle(engine)
         moved = tmp_path / "pages.away"
         root.rename(moved)
         root.write_bytes(b"not a directory")
         hits0 = stat(engine, "storage_hit_tokens")
-        assert outputs(engine, first) == reference(first)
-        assert outputs(engine, second) == reference(second)
+        reference.assert_matches(engine, first)
+        reference.assert_matches(engine, second)
         settle(engine)
-        assert outputs(engine, second) == reference(second)
+        reference.assert_matches(engine, second)
         assert stat(engine, "storage_hit_tokens") == hits0
         failed = stat(engine, "storage_failed_pages") + storage_stat(engine, "set_failures")
         assert failed > 0
@@ -131,7 +130,7 @@ def test_directory_replaced_by_a_file_fails_writes_cleanly(
         root.unlink()
         moved.rename(root)
         settle(engine)
-        assert outputs(engine, first) == reference(first)
+        reference.assert_matches(engine, first)
         assert stat(engine, "storage_hit_tokens") > hits0
         assert storage_stat(engine, "corrupt_pages") == 0
         assert all(threads_alive(engine))

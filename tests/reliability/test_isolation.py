@@ -19,7 +19,6 @@ from tests.hicache.factories import run_request
 from tests.reliability.conftest import (
     Reference,
     make_prompts,
-    outputs,
     settle,
     stat,
     storage_engine,
@@ -93,24 +92,24 @@ def test_engine_namespaces_never_share_pages(tmp_path: Path, tiny_model: Path,
     extra = {"path": str(tmp_path / "pages")}
     prompts = make_prompts(4, 80)
     with storage_engine(tiny_model, "file", extra, model_id="model-a") as a:
-        assert outputs(a, prompts) == reference(prompts)
-        assert outputs(a, prompts, extra_key="salt-1") == reference(prompts)
+        reference.assert_matches(a, prompts)
+        reference.assert_matches(a, prompts, extra_key="salt-1")
         settle(a)
         stored = storage_stat(a, "stored_pages")
         # Same weights, same tokens, another model id: computed from scratch, nothing read.
         with storage_engine(tiny_model, "file", extra, model_id="model-b") as b:
-            assert outputs(b, prompts) == reference(prompts)
-            assert outputs(b, prompts, extra_key="salt-1") == reference(prompts)
+            reference.assert_matches(b, prompts)
+            reference.assert_matches(b, prompts, extra_key="salt-1")
             assert stat(b, "storage_hit_tokens") == 0
             assert stat(b, "hit_tokens") == 0
             assert storage_stat(b, "get_pages") == 0
             settle(b)
             assert storage_stat(b, "stored_pages") == 2 * stored
         # Same model id, another salt (or none vs a salt): nothing read either.
-        assert outputs(a, prompts, extra_key="salt-2") == reference(prompts)
+        reference.assert_matches(a, prompts, extra_key="salt-2")
         assert stat(a, "storage_hit_tokens") == 0 and stat(a, "hit_tokens") == 0
         # Control: the same model id and salt read the pages back.
         settle(a)
-        assert outputs(a, prompts, extra_key="salt-1") == reference(prompts)
+        reference.assert_matches(a, prompts, extra_key="salt-1")
         assert stat(a, "storage_hit_tokens") > 0
         assert storage_stat(a, "corrupt_pages") == 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -45,10 +47,75 @@ def make_records(codec: PageCodec, keys: list[str], seed: int = 0) -> list[bytea
     return out
 
 
+def make_pages(
+    payload_bytes: int, n: int, salt: int = 0
+) -> tuple[PageCodec, list[str], list[bytearray]]:
+    """A codec of `payload_bytes`-byte pages, `n` keys (`salt` as in make_keys) and one valid
+    record per key."""
+    codec = make_codec(payload_bytes)
+    keys = make_keys(n, salt=salt)
+    return codec, keys, make_records(codec, keys)
+
+
 def buffers(n: int, size: int) -> list[memoryview]:
     """`n` zeroed, writable views of `size` bytes carved out of one block (like a host pool)."""
     block = memoryview(bytearray(n * size + 64))[64:]
     return [block[i * size : (i + 1) * size] for i in range(n)]
+
+
+def assert_all_miss(b: StorageBackend, codec: PageCodec, keys: list[str]) -> None:
+    """`b.batch_get` finds none of `keys`."""
+    assert b.batch_get(keys, buffers(len(keys), codec.record_bytes)) == [False] * len(keys)
+
+
+def assert_reads_back(
+    b: StorageBackend, codec: PageCodec, keys: list[str], recs: list[bytearray]
+) -> None:
+    """Every key of `keys` is a hit of `b.batch_get` and reads back exactly its record."""
+    out = buffers(len(keys), codec.record_bytes)
+    assert b.batch_get(keys, out) == [True] * len(keys)
+    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+
+
+class NumberedPages:
+    """Pages numbered i: key `f"{i:064x}"`, a record whose `payload_bytes`-byte payload is the
+    byte i % 251 repeated, and separately allocated buffers to read them into."""
+
+    def __init__(self, payload_bytes: int) -> None:
+        self.codec = make_codec(payload_bytes)
+
+    @staticmethod
+    def key(i: int) -> str:
+        return f"{i:064x}"
+
+    def record(self, i: int) -> bytearray:
+        return self.codec.encode(self.key(i), bytes([i % 251]) * self.codec.payload_bytes)
+
+    def buffers(self, n: int) -> list[memoryview]:
+        return [memoryview(bytearray(self.codec.record_bytes)) for _ in range(n)]
+
+    def assert_first_stored(self, b: StorageBackend, n: int, missing: int) -> None:
+        """`b` holds pages 0..n-1 and not page `missing`: exists counts the leading run of a
+        batch, get hits every held page (reading back its record) and misses `missing`."""
+        keys = [self.key(i) for i in range(n)]
+        assert b.batch_exists(keys + [self.key(missing)]) == n
+        assert b.batch_exists([self.key(missing)] + keys) == 0
+        out = self.buffers(n + 1)
+        assert b.batch_get(keys + [self.key(missing)], out) == [True] * n + [False]
+        assert [bytes(o) for o in out[:n]] == [bytes(self.record(i)) for i in range(n)]
+
+
+class RecordsCheckerThreads:
+    """Mixin for a backend class: `checked_by` maps each key whose record it checked to the
+    name of the thread that checked it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checked_by: dict[str, str] = {}
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        self.checked_by[key] = threading.current_thread().name
+        return super().check_record(key, length, buf)  # type: ignore[misc]
 
 
 class HarnessPool:

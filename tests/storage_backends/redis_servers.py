@@ -62,7 +62,29 @@ def _ping(port: int | None = None, unixsocket: Path | None = None, timeout: floa
         return False
 
 
-class RedisServer:
+class RestartableServer:
+    """A server process on a loopback port that `stop()` (SIGTERM) and `kill()` (SIGKILL) end
+    and a subclass's `start()` brings back; `proc` is the current process, `starts` counts
+    the starts (for per-start log names)."""
+
+    def __init__(self) -> None:
+        self.proc: ManagedProcess | None = None
+        self.starts = 0
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def kill(self) -> None:
+        """SIGKILL: the way a crashed or OOM-killed server goes."""
+        if self.proc is not None:
+            self.proc.kill()
+
+
+class RedisServer(RestartableServer):
     """One `redis-server` bound to 127.0.0.1 (and/or a unix socket), no persistence.
 
     `tls`: a directory from `make_test_certs`; the port then speaks TLS only.
@@ -80,8 +102,7 @@ class RedisServer:
         self.cluster_port = cluster_port
         self.args = args
         self.tls = tls
-        self.proc: ManagedProcess | None = None
-        self.starts = 0
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -140,18 +161,6 @@ class RedisServer:
                                    f"{self.proc.log()[-2000:]}")
             time.sleep(0.05)
         return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-    def kill(self) -> None:
-        """SIGKILL: the way a crashed or OOM-killed server goes."""
-        if self.proc is not None:
-            self.proc.kill()
 
     def cli(self, *args: str) -> str:
         assert REDIS_CLI is not None

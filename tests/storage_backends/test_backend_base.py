@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ast
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +21,14 @@ from hicache.errors import ConfigError
 from hicache.lru import LRUByteStore
 from hicache.memory_backend import MemoryBackend
 from hicache.units import Size, kv_bytes_per_token, parse_bytes, parse_size
-from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
+from tests.storage_backends.conftest import (
+    NAMESPACE,
+    RecordsCheckerThreads,
+    buffers,
+    make_codec,
+    make_keys,
+    make_records,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,6 +118,17 @@ def test_backend_without_a_set_path_is_refused() -> None:
 
     with pytest.raises(TypeError, match="neither _set_from nor batch_set"):
         NoSet(_config())
+
+
+def test_batch_get_template_checks_its_arguments() -> None:
+    codec = make_codec(100)
+    keys = make_keys(3)
+    b = _DictBackend(_config())
+    assert b.batch_set(keys, [memoryview(r) for r in make_records(codec, keys)]) == [True] * 3
+    with pytest.raises(ValueError, match="3 keys but 2 buffers"):
+        b.batch_get(keys, buffers(2, codec.record_bytes))
+    assert b.batch_get([], []) == []
+    assert b.stats().get_pages == 0  # neither call was counted
 
 
 def test_batch_get_counts_corrupt_pages_once() -> None:
@@ -238,14 +255,8 @@ def test_storage_modules_form_no_import_circle() -> None:
 
 
 
-class _WhoChecks(_DictBackend):
-    def __init__(self, config: StorageConfig) -> None:
-        super().__init__(config)
-        self.checked_by: dict[str, str] = {}
-
-    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
-        self.checked_by[key] = threading.current_thread().name
-        return super().check_record(key, length, buf)
+class _WhoChecks(RecordsCheckerThreads, _DictBackend):
+    pass
 
 
 def test_default_get_checks_large_records_on_check_threads() -> None:

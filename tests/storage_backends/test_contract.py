@@ -16,9 +16,11 @@ from tests.storage_backends.conftest import (
     OTHER_NAMESPACE,
     HarnessPool,
     Store,
+    assert_reads_back,
     buffers,
     make_codec,
     make_keys,
+    make_pages,
     make_records,
 )
 from tests.storage_backends.harness import discover
@@ -67,9 +69,7 @@ def test_round_trip_is_bit_identical(store: Store, payload: int) -> None:
 
 def test_exists_returns_the_leading_run(store: Store) -> None:
     b = store.new()
-    codec = make_codec(100)
-    keys = make_keys(6)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(100, 6)
     present = [0, 1, 3, 5]
     assert b.batch_set([keys[i] for i in present], _as_views([recs[i] for i in present])) == [
         True
@@ -86,9 +86,7 @@ def test_exists_returns_the_leading_run(store: Store) -> None:
 
 def test_partial_batch_get(store: Store) -> None:
     b = store.new()
-    codec = make_codec(1000)
-    keys = make_keys(5, salt=1)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(1000, 5, salt=1)
     assert b.batch_set([keys[0], keys[2], keys[4]], _as_views([recs[0], recs[2], recs[4]])) == [
         True,
         True,
@@ -119,26 +117,20 @@ def test_missing_keys_are_misses(store: Store) -> None:
 
 def test_overwrite_is_idempotent(store: Store) -> None:
     b = store.new()
-    codec = make_codec(5000)
-    keys = make_keys(3, salt=3)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(5000, 3, salt=3)
     assert b.batch_set(keys, _as_views(recs)) == [True] * 3
     pages = b.stats().stored_pages
     assert b.batch_set(keys, _as_views(recs)) == [True] * 3
     assert b.batch_set(keys[1:2], _as_views(recs[1:2])) == [True]
     assert b.batch_exists(keys) == 3
-    out = buffers(3, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 3
-    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    assert_reads_back(b, codec, keys, recs)
     if pages >= 0:
         assert b.stats().stored_pages == pages
 
 
 def test_delete(store: Store) -> None:
     b = store.new()
-    codec = make_codec(200)
-    keys = make_keys(4, salt=4)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(200, 4, salt=4)
     assert b.batch_set(keys, _as_views(recs)) == [True] * 4
     b.delete([keys[1], make_keys(1, salt=99)[0]])  # a missing key is not an error
     assert b.batch_exists(keys) == 1
@@ -167,9 +159,7 @@ def test_clear(store: Store) -> None:
 
 def test_two_instances_share_pages(store: Store) -> None:
     a, c = store.new(), store.new()
-    codec = make_codec(3000)
-    keys = make_keys(4, salt=6)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(3000, 4, salt=6)
     assert a.batch_set(keys[:3], _as_views(recs[:3])) == [True] * 3
     assert c.batch_exists(keys) == 3
     out = buffers(4, codec.record_bytes)
@@ -276,9 +266,7 @@ def test_mismatched_lengths_raise(store: Store) -> None:
 
 def test_stats_counters(store: Store) -> None:
     b = store.new()
-    codec = make_codec(1024)
-    keys = make_keys(4, salt=10)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(1024, 4, salt=10)
     s0 = b.stats()
     assert b.batch_set(keys[:3], _as_views(recs[:3])) == [True] * 3
     s1 = b.stats()
@@ -309,14 +297,10 @@ def test_stats_counters(store: Store) -> None:
 
 def test_large_batch(store: Store) -> None:
     b = store.new()
-    codec = make_codec(4096)
-    keys = make_keys(128, salt=11)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(4096, 128, salt=11)
     assert b.batch_set(keys, _as_views(recs)) == [True] * 128
     assert b.batch_exists(keys) == 128
-    out = buffers(128, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 128
-    assert all(bytes(o) == bytes(r) for o, r in zip(out, recs))
+    assert_reads_back(b, codec, keys, recs)
 
 
 def test_concurrent_threads_on_one_object(store: Store) -> None:

@@ -7,33 +7,21 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hicache.errors import ConfigError
-from hicache.storage import PageCodec, StorageConfig
+from hicache.storage import StorageConfig
 from storage_backends.hf3fs_backend import HF3FSBackend
+from tests.storage_backends.conftest import NumberedPages, RecordsCheckerThreads
 from tests.storage_backends.harness import config
 from tests.storage_backends.harness_hf3fs import SLOT_BYTES, hf3fs_config
 
 REPO = Path(__file__).resolve().parents[2]
-CODEC = PageCodec(namespace=b"\0" * 32, dtype="uint8", shape=(1000,), layout="raw",
-                  tokens_per_page=16, itemsize=1)
-
-
-def key(i: int) -> str:
-    return f"{i:064x}"
-
-
-def record(i: int) -> bytearray:
-    return CODEC.encode(key(i), bytes([i % 251]) * 1000)
-
-
-def buffers(n: int) -> list[memoryview]:
-    return [memoryview(bytearray(CODEC.record_bytes)) for _ in range(n)]
+PAGES = NumberedPages(1000)
+CODEC, key, record, buffers = PAGES.codec, PAGES.key, PAGES.record, PAGES.buffers
 
 
 def make(mount: Path, **extra: object) -> HF3FSBackend:
@@ -44,11 +32,7 @@ def test_roundtrip_exists_delete_clear(tmp_path: Path) -> None:
     with make(tmp_path) as b:
         keys = [key(i) for i in range(5)]
         assert b.batch_set(keys, [memoryview(record(i)) for i in range(5)]) == [True] * 5
-        assert b.batch_exists(keys + [key(99)]) == 5
-        assert b.batch_exists([key(99)] + keys) == 0
-        out = buffers(6)
-        assert b.batch_get(keys + [key(99)], out) == [True] * 5 + [False]
-        assert [bytes(o) for o in out[:5]] == [bytes(record(i)) for i in range(5)]
+        PAGES.assert_first_stored(b, 5, missing=99)
         b.delete([key(1)])
         assert b.batch_exists(keys) == 1
         assert b.batch_get([key(1)], buffers(1)) == [False]
@@ -69,14 +53,8 @@ def test_corrupt_record_is_a_counted_miss_and_deleted(tmp_path: Path) -> None:
         assert b.batch_exists([key(3)]) == 0
 
 
-class _WhoChecks(HF3FSBackend):
-    def __init__(self, cfg: StorageConfig) -> None:
-        super().__init__(cfg)
-        self.checked_by: dict[str, str] = {}
-
-    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
-        self.checked_by[key] = threading.current_thread().name
-        return super().check_record(key, length, buf)
+class _WhoChecks(RecordsCheckerThreads, HF3FSBackend):
+    pass
 
 
 def test_records_are_checked_by_the_io_threads_that_read_them(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from hicache.errors import ConfigError, StorageUnavailable
-from hicache.storage import PageCodec, StorageConfig
+from hicache.storage import StorageConfig
 from tests.procs import free_port
+from tests.storage_backends.conftest import NumberedPages
 from tests.storage_backends.harness import config
 from tests.storage_backends.harness_lmcache import lmcache_server, lmcache_skip_reason
 
@@ -18,20 +19,8 @@ pytestmark = [
     pytest.mark.skipif(lmcache_skip_reason() is not None, reason=str(lmcache_skip_reason())),
 ]
 
-CODEC = PageCodec(namespace=b"\0" * 32, dtype="uint8", shape=(3000,), layout="raw",
-                  tokens_per_page=16, itemsize=1)
-
-
-def key(i: int) -> str:
-    return f"{i:064x}"
-
-
-def record(i: int) -> bytearray:
-    return CODEC.encode(key(i), bytes([i % 251]) * 3000)
-
-
-def buffers(n: int) -> list[memoryview]:
-    return [memoryview(bytearray(CODEC.record_bytes)) for _ in range(n)]
+PAGES = NumberedPages(3000)
+CODEC, key, record, buffers = PAGES.codec, PAGES.key, PAGES.record, PAGES.buffers
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +40,7 @@ def test_two_clients_share_pages(url: str) -> None:
     with backend(url) as a, backend(url) as b:
         a.clear()
         assert a.batch_set(keys, [memoryview(record(i)) for i in range(100)]) == [True] * 100
-        assert b.batch_exists(keys + [key(1000)]) == 100
-        assert b.batch_exists([key(1000)] + keys) == 0
-        out = buffers(101)
-        assert b.batch_get(keys + [key(1000)], out) == [True] * 100 + [False]
-        assert [bytes(o) for o in out[:100]] == [bytes(record(i)) for i in range(100)]
+        PAGES.assert_first_stored(b, 100, missing=1000)
         s = b.stats()
         assert (s.get_pages, s.get_hits, s.bytes_read) == (101, 100, 100 * CODEC.record_bytes)
 

@@ -19,7 +19,15 @@ from hicache.storage import StorageConfig
 from storage_backends.common import Backoff, as_bool, check_known_keys, leading_run, setting
 from storage_backends.redis_backend import RedisBackend, parse_cluster_url, redact
 from tests.procs import free_port
-from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
+from tests.storage_backends.conftest import (
+    NAMESPACE,
+    assert_all_miss,
+    assert_reads_back,
+    make_codec,
+    make_keys,
+    make_pages,
+    make_records,
+)
 from tests.storage_backends.redis_servers import (
     HAVE_REDIS,
     SKIP_REASON,
@@ -183,7 +191,7 @@ def test_nothing_listening_is_a_fast_counted_miss() -> None:
     keys = make_keys(3)
     assert b.batch_exists(keys) == 0
     assert not b.available
-    assert b.batch_get(keys, buffers(3, codec.record_bytes)) == [False] * 3
+    assert_all_miss(b, codec, keys)
     assert b.batch_set(keys, views(make_records(codec, keys))) == [False] * 3
     with pytest.raises(StorageUnavailable):
         b.delete(keys)
@@ -253,13 +261,9 @@ def test_ttl(server: RedisServer) -> None:
 @pytest.mark.redis
 def test_unix_socket(server: RedisServer) -> None:
     b = rb(server.unix_url)
-    codec = make_codec(70000)
-    keys = make_keys(3, salt=2)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(70000, 3, salt=2)
     assert b.batch_set(keys, views(recs)) == [True] * 3
-    out = buffers(3, codec.record_bytes)
-    assert b.batch_get(keys, out) == [True] * 3
-    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    assert_reads_back(b, codec, keys, recs)
     assert rb(server.url).batch_exists(keys) == 3  # same server over TCP
 
 
@@ -273,14 +277,10 @@ def test_tls(tmp_path: Path) -> None:
     with redis_server(tmp_path / "r", tls=certs) as s:
         assert s.url.startswith("rediss://")
         b = rb(s.url)
-        codec = make_codec(200_000)
-        keys = make_keys(3, salt=12)
-        recs = make_records(codec, keys)
+        codec, keys, recs = make_pages(200_000, 3, salt=12)
         assert b.batch_set(keys, views(recs)) == [True] * 3
         assert b.batch_exists(keys) == 3
-        out = buffers(3, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True] * 3
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert_reads_back(b, codec, keys, recs)
         assert s.cli("DBSIZE").strip() == "3"
         # Plain TCP to a TLS port is a counted miss, not a crash.
         plain = rb(f"redis://127.0.0.1:{s.port}/0", socket_timeout=0.5)
@@ -293,9 +293,7 @@ def test_tls(tmp_path: Path) -> None:
 def test_one_round_trip_per_batch(server: RedisServer, zero_copy: bool,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     b = rb(server.url, zero_copy_send=zero_copy)
-    codec = make_codec(100_000)
-    keys = make_keys(16, salt=3)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(100_000, 16, salt=3)
     b.clear()  # connects, and starts empty
     assert b.batch_exists(keys) == 0  # loads the exists script
     sends: list[int] = []
@@ -324,78 +322,70 @@ def test_one_round_trip_per_batch(server: RedisServer, zero_copy: bool,
         elif op == "exists":
             assert b.batch_exists(keys) == 16
         else:
-            out = buffers(16, codec.record_bytes)
-            assert b.batch_get(keys, out) == [True] * 16
-            assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+            assert_reads_back(b, codec, keys, recs)
         assert len(sends) == 1, op  # the whole batch goes out in one write
     assert len(reads) == 16 + 1 + 1  # SET replies, one script reply, one MGET reply
 
 
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A started redis-server of this test alone (the test kills, stops or restarts it)."""
+    if not HAVE_REDIS:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(tmp_path / "r").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.redis
-def test_server_killed_and_restarted(tmp_path: Path) -> None:
+def test_server_killed_and_restarted(own_server: RedisServer) -> None:
     """A crashed server makes every page a counted miss without raising; once it is back on
     the same port the backend resumes by itself (pages held in memory are gone)."""
-    if not HAVE_REDIS:
-        pytest.skip(SKIP_REASON)
-    server = RedisServer(tmp_path / "r").start()
-    try:
-        b = rb(server.url, socket_timeout=1.0, backoff_initial_s=0.05, backoff_max_s=0.5)
-        codec = make_codec(50_000)
-        keys = make_keys(4, salt=4)
-        recs = make_records(codec, keys)
-        assert b.batch_set(keys[:2], views(recs[:2])) == [True, True]
-        assert b.batch_exists(keys) == 2
-        server.kill()
-        assert b.batch_exists(keys) == 0
-        assert b.batch_get(keys, buffers(4, codec.record_bytes)) == [False] * 4
-        assert b.batch_set(keys[2:], views(recs[2:])) == [False, False]
-        assert not b.available
-        st = b.stats()
-        assert (st.errors, st.set_failures, st.corrupt_pages) == (3, 2, 0)
-        server.start()
-        attempts = wait_until_up(b, keys[2], recs[2])
-        assert attempts >= 1
-        assert b.available
-        assert b.batch_exists(keys) == 0  # the old pages died with the server
-        assert b.batch_set(keys, views(recs)) == [True] * 4
-        out = buffers(4, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True] * 4
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
-        assert b.stats().corrupt_pages == 0
-    finally:
-        server.stop()
+    server = own_server
+    b = rb(server.url, socket_timeout=1.0, backoff_initial_s=0.05, backoff_max_s=0.5)
+    codec, keys, recs = make_pages(50_000, 4, salt=4)
+    assert b.batch_set(keys[:2], views(recs[:2])) == [True, True]
+    assert b.batch_exists(keys) == 2
+    server.kill()
+    assert b.batch_exists(keys) == 0
+    assert_all_miss(b, codec, keys)
+    assert b.batch_set(keys[2:], views(recs[2:])) == [False, False]
+    assert not b.available
+    st = b.stats()
+    assert (st.errors, st.set_failures, st.corrupt_pages) == (3, 2, 0)
+    server.start()
+    attempts = wait_until_up(b, keys[2], recs[2])
+    assert attempts >= 1
+    assert b.available
+    assert b.batch_exists(keys) == 0  # the old pages died with the server
+    assert b.batch_set(keys, views(recs)) == [True] * 4
+    assert_reads_back(b, codec, keys, recs)
+    assert b.stats().corrupt_pages == 0
 
 
 @pytest.mark.redis
-def test_hung_server_times_out_then_resumes(tmp_path: Path) -> None:
+def test_hung_server_times_out_then_resumes(own_server: RedisServer) -> None:
     """A server that stops answering (SIGSTOP) costs one socket timeout, then fast misses;
     after SIGCONT the backend resumes."""
-    if not HAVE_REDIS:
-        pytest.skip(SKIP_REASON)
-    server = RedisServer(tmp_path / "r").start()
+    server = own_server
+    b = rb(server.url, socket_timeout=0.3, backoff_initial_s=0.05, backoff_max_s=0.2)
+    codec, keys, recs = make_pages(1000, 2, salt=5)
+    assert b.batch_set(keys, views(recs)) == [True, True]
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
     try:
-        b = rb(server.url, socket_timeout=0.3, backoff_initial_s=0.05, backoff_max_s=0.2)
-        codec = make_codec(1000)
-        keys = make_keys(2, salt=5)
-        recs = make_records(codec, keys)
-        assert b.batch_set(keys, views(recs)) == [True, True]
-        assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGSTOP)
-        try:
-            assert b.batch_exists(keys) == 0
-            assert b.batch_get(keys, buffers(2, codec.record_bytes)) == [False, False]
-            assert b.stats().errors == 2
-        finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while b.batch_exists(keys) != 2:
-            assert time.monotonic() < deadline, "did not resume"
-            time.sleep(0.05)
-        out = buffers(2, codec.record_bytes)
-        assert b.batch_get(keys, out) == [True, True]
-        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        assert b.batch_exists(keys) == 0
+        assert_all_miss(b, codec, keys)
+        assert b.stats().errors == 2
     finally:
-        server.stop()
+        os.kill(server.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while b.batch_exists(keys) != 2:
+        assert time.monotonic() < deadline, "did not resume"
+        time.sleep(0.05)
+    assert_reads_back(b, codec, keys, recs)
 
 
 @pytest.mark.redis
@@ -404,9 +394,7 @@ def test_server_started_after_backend(tmp_path: Path) -> None:
         pytest.skip(SKIP_REASON)
     server = RedisServer(tmp_path / "r")
     b = rb(server.url, backoff_initial_s=0.05, backoff_max_s=0.2)
-    codec = make_codec(1000)
-    keys = make_keys(1, salt=6)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(1000, 1, salt=6)
     assert b.batch_exists(keys) == 0
     assert b.stats().errors == 1
     server.start()
@@ -426,9 +414,7 @@ def test_full_server_fails_single_pages_cleanly(tmp_path: Path) -> None:
     with redis_server(tmp_path / "r",
                       args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")) as s:
         b = rb(s.url)
-        codec = make_codec(512 * 1024)
-        keys = make_keys(16, salt=7)
-        recs = make_records(codec, keys)
+        codec, keys, recs = make_pages(512 * 1024, 16, salt=7)
         ok = b.batch_set(keys, views(recs))
         stored = leading_run(ok)
         assert 0 < stored < 16
@@ -437,8 +423,7 @@ def test_full_server_fails_single_pages_cleanly(tmp_path: Path) -> None:
         assert (st.set_failures, st.errors) == (16 - stored, 16 - stored)
         assert b.available  # a full server is not a dead one
         assert b.batch_exists(keys) == stored
-        out = buffers(stored, codec.record_bytes)
-        assert b.batch_get(keys[:stored], out) == [True] * stored
+        assert_reads_back(b, codec, keys[:stored], recs[:stored])
 
 
 # -- a real 3-node cluster -----------------------------------------------------------------
@@ -458,18 +443,14 @@ def test_cluster_spreads_pages_over_every_node(cluster: RedisCluster, how: str) 
     b = rb(cluster.url) if how == "url" else rb(cluster.seed_url, cluster=True)
     b.clear()
     assert cluster.dbsizes() == [0, 0, 0]
-    codec = make_codec(2000)
-    keys = make_keys(60, salt=8)
-    recs = make_records(codec, keys)
+    codec, keys, recs = make_pages(2000, 60, salt=8)
     assert b.batch_set(keys, views(recs)) == [True] * 60
     sizes = cluster.dbsizes()
     assert sum(sizes) == 60
     assert all(n > 0 for n in sizes)
     other = rb(cluster.nodes[2].url, cluster=True)  # any node is a seed
     assert other.batch_exists(keys) == 60
-    out = buffers(60, codec.record_bytes)
-    assert other.batch_get(keys, out) == [True] * 60
-    assert all(bytes(o) == bytes(r) for o, r in zip(out, recs))
+    assert_reads_back(other, codec, keys, recs)
     other.delete(keys[:30])
     assert sum(cluster.dbsizes()) == 30
     b.clear()
@@ -488,7 +469,7 @@ def test_cluster_down_is_a_counted_miss(tmp_path: Path) -> None:
         for node in c.nodes:
             node.kill()
         assert b.batch_exists(keys) == 0
-        assert b.batch_get(keys, buffers(8, codec.record_bytes)) == [False] * 8
+        assert_all_miss(b, codec, keys)
         assert b.batch_set(keys, views(make_records(codec, keys))) == [False] * 8
         st = b.stats()
         assert (st.errors, st.set_failures) == (3, 8)

@@ -244,25 +244,18 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.axhline(
         100 * ub["hit_rate"], color="gray", ls="--", label=f"unbounded {100 * ub['hit_rate']:.1f}%"
     )
+
+    def mark(pages: float, pct: float, style: str, color: str, ms: int, label: str) -> None:
+        """One point: a hit rate of `pct` % at a capacity of `pages` pages."""
+        ax.plot([cap_x(pages)], [pct], style, color=color, ms=ms, label=label)
+
     if cfg["device_pages"] is not None:
-        ax.plot(
-            [cap_x(cfg["device_pages"])],
-            [100 * res["device_hit_tokens"] / max(1, res["input_tokens"])],
-            "s",
-            color="tab:orange",
-            ms=8,
-            label="simulated (device hits)",
-        )
+        mark(cfg["device_pages"], 100 * res["device_hit_tokens"] / max(1, res["input_tokens"]),
+             "s", "tab:orange", 8, "simulated (device hits)")
     opt = doc.get("opt")
     if opt and opt["capacity_pages"]:
-        ax.plot(
-            [cap_x(opt["capacity_pages"])],
-            [100 * opt["hit_rate"]],
-            "*",
-            color="tab:purple",
-            ms=12,
-            label="Belady OPT (all tiers)",
-        )
+        mark(opt["capacity_pages"], 100 * opt["hit_rate"], "*", "tab:purple", 12,
+             "Belady OPT (all tiers)")
     ax.set_xlabel(f"cache capacity ({unit}, log)")
     ax.set_ylabel("% of input tokens")
     ax.set_ylim(0, 100)

@@ -43,15 +43,15 @@ def to_pages(
     return int(v / kv_bytes_per_token // page_size)
 
 
-_DTYPE_BYTES = {
+# Bytes per element of the floating-point KV dtypes (torch's names); also read by traces.py.
+FLOAT_DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
-    "fp8": 1,
-    "int8": 1,
 }
+_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "fp8": 1, "int8": 1}
 
 
 def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.errors import HiCacheError
+from tools.hitrate.sizes import FLOAT_DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,7 @@ class Limits:
     max_timestamp_s: float = MAX_TIMESTAMP_S
 
 # LMCache's dtype names -> bytes per element (for kv bytes per token from a lookup log).
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "int32": 4,
-    "int64": 8,
-}
+_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "int8": 1, "int32": 4, "int64": 8}
 
 
 class TraceError(HiCacheError):
