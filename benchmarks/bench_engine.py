@@ -28,28 +28,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int, seed: int = 1) -> Path:
-    """A random-weight Llama (64-dim heads, 2:1 GQA) as config.json + model.safetensors."""
-    from safetensors.torch import save_file
-
-    from engine.demo_model import random_weights
-
-    heads = max(1, hidden // 64)
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": int(hidden * 2.75) // 32 * 32,
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
-        "eos_token_id": None, "bos_token_id": None,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(random_weights(config, seed), str(out / "model.safetensors"))
-    return out
+from bench_multiturn import make_weights  # noqa: E402
 
 
 def timed(
@@ -124,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.randint(10, a.vocab, (n,), generator=g).tolist()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_checkpoint(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
+        path = make_weights(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
         model = load_model(path, dtype=dtype, device=device)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     ps = a.page_size

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_multiturn import make_checkpoint, make_workload  # noqa: E402
+from bench_multiturn import make_checkpoint, make_workload, write_report  # noqa: E402
 
 TARGETS = {
     # cluster token hit rate / single engine's: at least this much
@@ -275,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": ratios,
             "targets": targets,
         }
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=2) + "\n")
-        for k, t in targets.items():
-            print(f"{k}: {t['measured']} (target {t['target']}, met={t['met']})")
-        print(f"wrote {a.out}")
+        write_report(a.out, report)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

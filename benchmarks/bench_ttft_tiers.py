@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import platform
 import random
@@ -38,6 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_multiturn import write_report  # noqa: E402
 
 TARGETS_CPU = {"device_vs_compute": 0.03, "host_vs_compute": 0.04, "l3_vs_compute": 0.06}
 TARGETS_GPU = {"device_vs_compute": 0.1, "host_vs_compute": 0.25, "l3_vs_compute": 0.5}
@@ -214,12 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": ratios,
             "targets": targets,
         }
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=2) + "\n")
-        for k, t in targets.items():
-            cmp = ">=" if t.get("min") else "<="
-            print(f"{k}: {t['measured']} (target {cmp} {t['target']}, met={t['met']})")
-        print(f"wrote {a.out}")
+        write_report(a.out, report)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
