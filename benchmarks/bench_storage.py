@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from hicache.units import parse_bytes  # noqa: E402
+
 OPS = ("set", "exists", "get")
 # Other people's stores every target is compared with, in the same run: the best of those
 # measured is each row's `best_anchor` (`ratio_to_best_anchor` = target MB/s / anchor MB/s).
@@ -47,9 +49,7 @@ MiB = 1 << 20
 
 
 def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s.rstrip("KMG")) * mult)
+    return parse_bytes(s, what="--sizes")
 
 
 def fmt_size(n: int) -> str:

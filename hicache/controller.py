@@ -13,7 +13,7 @@ queue; the owner of the tree (`HiRadixCache.poll`) consumes the acks and changes
 tree is only ever touched by one thread. In synchronous mode (tests, simulation) an operation runs
 inline when submitted and its ack waits in the same queue.
 
-A storage backend that raises is not retried for `storage_retry_backoff` seconds (doubling up to
+A storage backend that raises is not retried for `storage_retry_backoff` seconds (a `hicache.backoff.Backoff`, doubling up to
 30 s): meanwhile prefetches are not started and backups are dropped (counted). Worker threads
 catch everything: a backend error never kills a thread.
 """
@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hicache.backoff import Backoff
 from hicache.costmodel import CostModel, LoadPlan
 from hicache.transfer import DONE, LayerDoneCounter
 from hicache.transfer_tensor import TensorTransfer, fetch_pipelined
@@ -174,10 +175,10 @@ class TransferController:
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         # Storage health.
-        self._base_backoff = retry_backoff_s
-        self._backoff = retry_backoff_s
-        self._down_until = 0.0
-        self._down = False
+        self._breaker = Backoff(
+            "L3 storage", initial_s=retry_backoff_s, max_s=max(MAX_BACKOFF_S, retry_backoff_s),
+            jitter=0.0,
+        )
         self.storage_errors = 0  # read by the owner; only grows
         # Measured tier bandwidths and prefill speed: the load-vs-recompute decision.
         bpt = getattr(self.data, "bytes_per_token", None)
@@ -203,33 +204,22 @@ class TransferController:
     # -- health -------------------------------------------------------------------------------
 
     def storage_available(self) -> bool:
-        return self.has_storage and time.monotonic() >= self._down_until
+        """Whether L3 may be asked now (not inside a back-off after a failure)."""
+        return self.has_storage and self._breaker.seconds_until_retry() == 0.0
 
     def _storage_failed(self, what: str, e: BaseException) -> None:
+        """A storage call raised: serve from L1/L2 and back off (doubling up to
+        `MAX_BACKOFF_S`); `hicache.backoff.Backoff` logs the first failure at WARNING."""
         self.storage_errors += 1
-        self._down_until = time.monotonic() + self._backoff
-        if not self._down:
-            logger.warning(
-                "L3 storage %s failed (%s: %s); serving from L1/L2, retrying in %.1fs",
-                what,
-                type(e).__name__,
-                e,
-                self._backoff,
-            )
-        else:
-            logger.debug("L3 storage %s failed again: %s", what, e)
-        self._down = True
-        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S) if self._backoff else 0.0
+        logger.debug("L3 storage %s failed: %s", what, e)
+        self._breaker.failure(e)
 
     def _storage_ok(self) -> None:
-        if self._down:
-            logger.info("L3 storage is reachable again")
-        self._down = False
-        self._backoff = self._base_backoff
+        self._breaker.success()
 
     @property
     def storage_down(self) -> bool:
-        return self._down
+        return self._breaker.down
 
     # -- submission ----------------------------------------------------------------------------
 

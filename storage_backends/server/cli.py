@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import re
+
+from hicache.units import parse_bytes
 
 AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
 DEFAULT_PORT = 7480
@@ -11,26 +12,12 @@ DEFAULT_MAX_FRAME = 64 << 20
 DEFAULT_REPLY_BUDGET = 1 << 30
 DEFAULT_CLIENT_REPLY_BUDGET = 64 << 20
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
 def parse_size(text: str) -> int:
-    """Bytes in `text`: `4096`, `512MiB`, `8GiB`, `1TiB` (binary), `8GB` (decimal), `8G` (binary)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 8GiB, 1TiB)")
-    number, unit, binary, b = m.groups()
-    unit = unit.lower()
-    if binary and not unit:
-        raise ValueError(f"not a size: {text!r}")
-    decimal = bool(unit) and bool(b) and not binary  # "8GB"
-    base = 1000 if decimal else 1024
-    value = float(number) * base ** _POWERS[unit]
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
-
+    """Bytes in `text`: `4096`, `512MiB`, `8GiB`, `1TiB` (binary), `8GB` (decimal), `8G` (binary)
+    (`hicache.units.parse_bytes`, the project's one size parser)."""
+    return parse_bytes(text)
 
 
 def _size(text: str) -> int:
