@@ -74,36 +74,3 @@ def test_core_imports_stay_inside():
         for n in names:
             top = n.split(".")[0]
             assert top not in {"engine", "storage_backends", "tools"}, f"{mod}: {n}"
-
-
-# storage.py imports memory_backend lazily inside a function; helper B's split of storage.py
-# (issue 14 item 4) removes this edge, and then this entry must go.
-ALLOWED: set[tuple[str, str]] = set()  # no edge is exempt
-
-
-def test_no_import_circle_in_hicache():
-    """No module of hicache/ reaches itself through imports (TYPE_CHECKING ones count)."""
-    imports = _hicache_imports()
-    graph = {m: {n for n in names if n in imports and (m, n) not in ALLOWED} for m, names in
-             imports.items()}
-    state: dict[str, int] = {}
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            if state.get(n) == 1:
-                raise AssertionError("import circle: " + " -> ".join([*stack, m, n]))
-            if n not in state:
-                visit(n, [*stack, m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    assert graph["hicache.hiradix"] >= {"hicache.cache_state", "hicache.radix"}
-
-
-def test_no_module_over_500_lines():
-    root = pathlib.Path(hicache.__file__).parent
-    sizes = {p.name: len(p.read_text().splitlines()) for p in root.glob("*.py")}
-    assert {n: k for n, k in sizes.items() if k > 500} == {}

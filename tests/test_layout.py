@@ -1,0 +1,64 @@
+"""The project's shape, checked: no import circle anywhere in the four packages (imports under
+TYPE_CHECKING and inside functions count), and no module over 500 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hicache", "engine", "storage_backends", "tools")
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports. `from pkg import sub` names the submodule
+    `pkg.sub` when one exists (not the package); a module's own parent packages are left out
+    (importing a submodule runs them anyway)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    deps.add(sub if sub in mods else node.module)
+        graph[mod] = {d for d in deps if d in mods and d != mod and not mod.startswith(d + ".")}
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert graph["engine.scheduler"] >= {"engine.req", "hicache.prefix_cache"}  # it sees edges
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*stack, m, n]))
+            if n not in state:
+                visit(n, [*stack, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_no_module_over_500_lines() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in _modules().values()}
+    assert len(sizes) > 50
+    assert {n: k for n, k in sizes.items() if k > 500} == {}
