@@ -17,6 +17,7 @@ dtype (bf16, fp8) is copied bit-exactly.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -33,6 +34,12 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# Triton's interpreter keeps the launch grid in one process-wide object: two threads launching
+# at once (the controller's write and load workers) corrupt each other's grid. Interpreted
+# launches are serialized; compiled (CUDA) launches are not.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def interpreted() -> bool:
@@ -137,4 +144,8 @@ def copy_pages(
     block_t = max(1, min(triton.next_power_of_2(ps), 4096 // block_r))
     grid = (n, 2 * count)
     args: list[Any] = [src, dst, sp, dp, lo, count, L, *ss, *ds]
-    _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)
+    if interpreted():
+        with _INTERPRETER_LOCK:
+            _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)
+    else:
+        _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)

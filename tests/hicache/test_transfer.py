@@ -99,10 +99,9 @@ def test_batches_bigger_than_the_staging_buffer_move_in_chunks(layout):
     check_round_trip(layout, torch.float32, "cpu", "direct", chunk_pages=3)
 
 
-def test_kernel_on_cpu_without_interpreter_uses_direct():
+def test_kernel_on_cpu_without_interpreter_uses_direct(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     dev, host = pools("page_first", torch.float32, "cpu", "kernel")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("the interpreter is on: the kernel itself runs")
     assert PageMover(dev, host).io_backend == "direct"
 
 
