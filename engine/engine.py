@@ -32,6 +32,7 @@ from hicache.hiradix import HiRadixCache
 from hicache.keys import namespace_seed
 from hicache.pools import dtype_name
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
+from hicache.units import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarCompiler
@@ -144,7 +145,7 @@ class Engine:
         if a.max_total_tokens is not None:
             return max(1, a.max_total_tokens // ps)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * a.mem_fraction_static)

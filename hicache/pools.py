@@ -14,6 +14,7 @@ import torch
 
 from hicache.config import MEM_LAYOUTS
 from hicache.errors import CapacityError, ConfigError
+from hicache.units import kv_bytes_per_token
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -111,7 +112,9 @@ class DeviceKVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.kv.element_size()
+        return kv_bytes_per_token(
+            self.num_layers, self.kv_heads, self.head_dim, self.kv.element_size()
+        )
 
     def slots(self, pages: Sequence[int], n_tokens: int | None = None) -> torch.Tensor:
         """Token slot ids (int64, on the pool's device) of `pages`, truncated to `n_tokens`."""
