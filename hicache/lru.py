@@ -8,7 +8,7 @@ own lock around a sequence of calls.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Generic, TypeVar
 
 V = TypeVar("V", bound=Sized)
@@ -21,10 +21,13 @@ class LRUByteStore(Generic[V]):
     and refuses (returns None) a value larger than the whole capacity.
     """
 
-    def __init__(self, capacity_bytes: int = 0) -> None:
+    def __init__(self, capacity_bytes: int = 0, size: Callable[[V], int] = len) -> None:
+        """`size(value)`: the bytes a value takes (`len` by default; a store of memoryviews
+        passes one that reads `.nbytes`)."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self._size = size
         self._data: OrderedDict[str, V] = OrderedDict()
         self._bytes = 0
 
@@ -50,7 +53,9 @@ class LRUByteStore(Generic[V]):
     def __setitem__(self, key: str, value: V) -> None:
         """`put`, for a value that fits (ValueError otherwise)."""
         if self.put(key, value) is None:
-            raise ValueError(f"{len(value)} bytes exceed the capacity {self.capacity_bytes}")
+            raise ValueError(
+                f"{self._size(value)} bytes exceed the capacity {self.capacity_bytes}"
+            )
 
     def get(self, key: str, *, touch: bool = True) -> V | None:
         """The value of `key` (None when absent); `touch` makes it the most recently used."""
@@ -62,14 +67,14 @@ class LRUByteStore(Generic[V]):
     def put(self, key: str, value: V) -> list[tuple[str, V]] | None:
         """Store `value` as the most recently used; return the entries evicted to make room,
         or None (nothing changed) when `value` alone exceeds the capacity."""
-        size = len(value)
+        size = self._size(value)
         if self.capacity_bytes and size > self.capacity_bytes:
             return None
         self.pop(key)
         evicted: list[tuple[str, V]] = []
         while self.capacity_bytes and self._bytes + size > self.capacity_bytes:
             k, v = self._data.popitem(last=False)
-            self._bytes -= len(v)
+            self._bytes -= self._size(v)
             evicted.append((k, v))
         self._data[key] = value
         self._bytes += size
@@ -79,7 +84,7 @@ class LRUByteStore(Generic[V]):
         """Remove `key`; its value, or None when absent."""
         v = self._data.pop(key, None)
         if v is not None:
-            self._bytes -= len(v)
+            self._bytes -= self._size(v)
         return v
 
     def clear(self) -> None:

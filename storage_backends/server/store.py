@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+from hicache.lru import LRUByteStore
+
 # bytes, or any object with the buffer protocol and a byte length (a received zmq.Frame).
 Value = Union[bytes, bytearray, memoryview, Any]
 
@@ -47,34 +49,28 @@ class PageStore:
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[str, Value] = OrderedDict()
-        self._bytes = 0
+        self._lru: LRUByteStore[Value] = LRUByteStore(capacity_bytes, size=nbytes)
         self._lock = threading.Lock()
         self.counters = StoreCounters()
 
     @property
     def pages(self) -> int:
-        return len(self._data)
+        return len(self._lru)
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._lru.nbytes
 
     def __contains__(self, key: str) -> bool:
-        return key in self._data
+        return key in self._lru
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return [k in self._data for k in keys]
+            return [k in self._lru for k in keys]
 
     def get(self, keys: Sequence[str]) -> list[Value | None]:
-        out: list[Value | None] = []
         with self._lock:
-            for k in keys:
-                v = self._data.get(k)
-                if v is not None:
-                    self._data.move_to_end(k)
-                out.append(v)
+            out = [self._lru.get(k) for k in keys]
             hits = sum(v is not None for v in out)
             self.counters.hits += hits
             self.counters.misses += len(out) - hits
@@ -83,48 +79,31 @@ class PageStore:
     def sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Bytes of each page held (None: absent), without touching recency or counters."""
         with self._lock:
-            values = [self._data.get(k) for k in keys]
+            values = [self._lru.get(k, touch=False) for k in keys]
         return [None if v is None else nbytes(v) for v in values]
 
     def put(self, key: str, value: Value) -> tuple[bool, list[str]]:
         """Store one page; returns (stored, keys evicted to make room)."""
-        n = nbytes(value)
-        evicted: list[str] = []
         with self._lock:
-            if self.capacity_bytes and n > self.capacity_bytes:
+            dropped = self._lru.put(key, value)
+            if dropped is None:
                 self.counters.rejected += 1
-                return False, evicted
-            old = self._data.pop(key, None)
-            if old is not None:
-                self._bytes -= nbytes(old)
-            while self.capacity_bytes and self._bytes + n > self.capacity_bytes:
-                k, dropped = self._data.popitem(last=False)
-                self._bytes -= nbytes(dropped)
-                evicted.append(k)
-            self._data[key] = value
-            self._bytes += n
-            self.counters.evictions += len(evicted)
-        return True, evicted
+                return False, []
+            self.counters.evictions += len(dropped)
+        return True, [k for k, _ in dropped]
 
     def delete(self, keys: Sequence[str]) -> int:
-        n = 0
         with self._lock:
-            for k in keys:
-                v = self._data.pop(k, None)
-                if v is not None:
-                    self._bytes -= nbytes(v)
-                    n += 1
-        return n
+            return sum(self._lru.pop(k) is not None for k in keys)
 
     def clear(self) -> None:
         with self._lock:
-            self._data.clear()
-            self._bytes = 0
+            self._lru.clear()
 
     def lru_order(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""
         with self._lock:
-            return list(self._data)
+            return list(self._lru)
 
 
 class WriteBehind:
