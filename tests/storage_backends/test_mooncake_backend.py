@@ -143,10 +143,14 @@ def test_full_segment_evicts(master: tuple[str, Path]) -> None:
                 time.sleep(0.025)
             else:
                 pytest.fail(f"page {k[-4:]} never stored")
-        # 128 x 256 KiB = 32 MiB into 16 MiB: no more than 64 pages remain, the newest does.
+        # The page just stored is there (read-your-write). NOTE: not asserted after the scan
+        # below: the master's eviction is not a strict LRU and runs in the background, so it may
+        # drop even the newest page afterwards (a CI run under load saw page 127 evicted while
+        # pages 0x43.. stayed).
+        assert b.batch_exists([keys[-1]]) == 1
+        # 128 x 256 KiB = 32 MiB into 16 MiB: no more than 64 pages remain.
         present = [k for k in keys if b.batch_exists([k]) == 1]
-        assert len(present) <= 64
-        assert keys[-1] in present
+        assert 0 < len(present) <= 64
         assert b.stats().set_failures == refused
         out = buffers(len(present), size)
         assert b.batch_get(present, out) == [True] * len(present)
