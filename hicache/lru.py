@@ -1,8 +1,8 @@
 """`LRUByteStore`: values under string keys within a byte capacity, least recently used evicted.
 
-Used by the `memory` backend (hicache.memory_backend); any store with a byte cap and LRU
-eviction (e.g. hicache-server's memory tier) can use it. Not thread-safe: callers hold their
-own lock around a sequence of calls.
+Used by the `memory` backend (hicache.memory_backend) and hicache-server's memory tier
+(storage_backends/server/store.py). Not thread-safe: callers hold their own lock around a
+sequence of calls.
 """
 
 from __future__ import annotations
