@@ -1,20 +1,18 @@
 """The `triton` attention backend against the `torch` backend: same outputs, same pool contents.
 
 On a machine without CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set
-here before triton is imported), so sizes stay small; with CUDA they run compiled on the GPU.
+for the session by tests/conftest.py before triton is imported), so sizes stay small; with CUDA
+they run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the triton attention backend needs the triton package")
 
 from engine.attention import ForwardBatch, make_attention_backend  # noqa: E402
