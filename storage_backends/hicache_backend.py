@@ -15,6 +15,11 @@ key              meaning                                           default
 ``tune_malloc``  let glibc reuse freed large blocks (process-wide;   true
                  see `storage_backends.server.store.tune_malloc`):
                  ~3x faster receives of 1 MiB pages
+``shm``          offer the server a shared-memory region per       true
+                 connection (same host only; see
+                 `storage_backends.hicache_shm`); false: TCP only
+``shm_bytes``    size of each connection's region; a batch larger  4 x ``batch_bytes``
+                 goes in rounds, a record larger goes over TCP
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -41,12 +46,17 @@ import zmq
 from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import Backoff, byte_view, check_known_keys, setting
+from storage_backends.hicache_shm import SHM_REFUSALS, ClientRegion, ShmLost, shm_get, shm_set
+from storage_backends.hicache_shm import Conn as _Conn
 from storage_backends.server import protocol as P
 from storage_backends.server.store import tune_malloc
 
 logger = logging.getLogger(__name__)
 
-KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc")
+KNOWN_KEYS = (
+    "url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc", "shm",
+    "shm_bytes",
+)
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 
 R = TypeVar("R", bound=P.Reply)
@@ -69,12 +79,17 @@ class HiCacheServerBackend(StorageBackend):
         self.timeout_ms = setting(config, "timeout_ms", 2000)
         self.batch_keys = setting(config, "batch_keys", 256)
         self.batch_bytes = setting(config, "batch_bytes", 4 << 20)
-        if self.timeout_ms <= 0 or self.batch_keys <= 0 or self.batch_bytes <= 0:
-            raise ConfigError("hicache backend: timeout_ms, batch_keys, batch_bytes must be > 0")
+        self.shm_bytes = setting(config, "shm_bytes", 4 * self.batch_bytes)
+        if min(self.timeout_ms, self.batch_keys, self.batch_bytes, self.shm_bytes) <= 0:
+            raise ConfigError(
+                "hicache backend: timeout_ms, batch_keys, batch_bytes, shm_bytes must be > 0"
+            )
+        # Whether new connections offer a region: off by config, or after a server refused one.
+        self.shm_enabled = setting(config, "shm", True)
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self._ctx = zmq.Context(io_threads=1)
-        self._pool: list[zmq.Socket] = []
+        self._pool: list[_Conn] = []
         self._pool_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -104,7 +119,7 @@ class HiCacheServerBackend(StorageBackend):
             pong.protocol_version,
         )
 
-    def _socket(self) -> zmq.Socket:
+    def _checkout(self) -> _Conn:
         with self._pool_lock:
             if self._closed:
                 raise StorageUnavailable("hicache backend is closed")
@@ -116,24 +131,87 @@ class HiCacheServerBackend(StorageBackend):
         s.setsockopt(zmq.RECONNECT_IVL, 50)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         s.connect(self.url)
-        return s
+        conn = _Conn(s)
+        if self.shm_enabled:
+            try:
+                self._attach(conn)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
 
-    def _release(self, s: zmq.Socket, healthy: bool) -> None:
+    def _attach(self, conn: _Conn) -> None:
+        """Offer the server a new region for `conn`; on a refusal, stay on TCP (log once)."""
+        try:
+            region = ClientRegion(self.shm_bytes)
+        except OSError as e:
+            self._no_shm(f"cannot create a region in /dev/shm: {e}")
+            return
+        try:
+            reply = self._exchange(conn.sock, [P.AttachShmRequest(name=region.name,
+                                                                   size=region.size)])[0]
+        except BaseException:
+            region.close()
+            raise
+        region.unlink()  # attached or not, the name is no longer needed: nothing is left behind
+        if isinstance(reply, P.AttachShmReply):
+            conn.region = region
+            return
+        region.close()
+        if isinstance(reply, P.ErrorReply) and reply.code in SHM_REFUSALS:
+            self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
+
+    def _no_shm(self, why: str) -> None:
+        if self.shm_enabled:
+            self.shm_enabled = False
+            logger.info("hicache backend: shared memory off, pages go over TCP: %s", why)
+
+    def _release(self, conn: _Conn, healthy: bool) -> None:
         with self._pool_lock:
             if healthy and not self._closed:
-                self._pool.append(s)
+                self._pool.append(conn)
                 return
-        s.close(linger=0)
+        conn.close()
 
-    def _roundtrip(
-        self, reqs: Sequence[P.Request], on_reply: Callable[[int, P.Reply], None] | None = None
+    def _drop_pool(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, []
+        for conn in pool:
+            conn.close()
+
+    def _session(self, work: Callable[[_Conn], list[P.Reply]]) -> list[P.Reply]:
+        """Run `work` on one pooled connection under the circuit breaker. Raises
+        `StorageUnavailable` (no answer in time; the connection is dropped), `ShmLost` or
+        whatever `work` raises (the server answered: the breaker is closed)."""
+        self._backoff.check()
+        healthy = False
+        conn: _Conn | None = None
+        try:
+            conn = self._checkout()
+            replies = work(conn)
+            healthy = True
+        except _Unreachable as e:
+            self._backoff.failure(e)
+            raise StorageUnavailable(str(e)) from e
+        except BaseException:
+            self._backoff.success()  # the server answered; only the request was wrong
+            raise
+        finally:
+            if conn is not None:
+                self._release(conn, healthy)
+        self._backoff.success()
+        return replies
+
+    def _exchange(
+        self,
+        s: zmq.Socket,
+        reqs: Sequence[P.Request],
+        on_reply: Callable[[int, P.Reply], None] | None = None,
     ) -> list[P.Reply]:
         """Send every request (pipelined on one socket), collect their replies in order.
 
         `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
         wire (a get copies its pages out then, so the received buffers are freed and reused)."""
-        s = self._socket()
-        healthy = False
         try:
             wanted: dict[int, int] = {}
             for i, req in enumerate(reqs):
@@ -160,14 +238,24 @@ class HiCacheServerBackend(StorageBackend):
                     on_reply(i_req, msg)
                 replies[i_req] = msg
                 got += 1
-            healthy = True
             return [r for r in replies if r is not None]
         except zmq.Again as e:
             raise _Unreachable(f"cannot send to {self.url} within {self.timeout_ms} ms") from e
         except zmq.ZMQError as e:
             raise _Unreachable(f"{self.url}: {e}") from e
-        finally:
-            self._release(s, healthy)
+
+    def _shm_op(self, work: Callable[[_Conn], list[P.Reply]]) -> list[P.Reply]:
+        """`_session(work)`, once more on fresh connections when the server had lost the
+        region (a restarted server: every pooled connection is stale, so all are dropped)."""
+        try:
+            return self._session(work)
+        except ShmLost as e:
+            logger.info("hicache backend: the server lost our shm region (%s); attaching again", e)
+            self._drop_pool()
+        try:
+            return self._session(work)
+        except ShmLost as e:
+            raise StorageError(f"the server lost the shm region again: {e}") from e
 
     def _call(
         self,
@@ -177,16 +265,10 @@ class HiCacheServerBackend(StorageBackend):
     ) -> list[R]:
         """Round trip under the circuit breaker. Raises `StorageUnavailable` (transient) or
         `StorageError` (an error reply: wrong token, a request the server refused)."""
-        self._backoff.check()
-        try:
-            replies = self._roundtrip(reqs, on_reply)
-        except _Unreachable as e:
-            self._backoff.failure(e)
-            raise StorageUnavailable(str(e)) from e
-        except BaseException:
-            self._backoff.success()  # the server answered; only the request was wrong
-            raise
-        self._backoff.success()
+        replies = self._session(lambda c: self._exchange(c.sock, reqs, on_reply))
+        return self._expect(replies, reqs, kind)
+
+    def _expect(self, replies: list[P.Reply], reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
         out: list[R] = []
         for r in replies:
             if isinstance(r, P.ErrorReply):
@@ -262,35 +344,44 @@ class HiCacheServerBackend(StorageBackend):
                     if n >= 0 and n == len(dst) == len(src):
                         dst[:] = src
             return res
-        chunks = self._chunks(len(keys), [byte_view(o).nbytes for o in out])
+        views = [byte_view(o) for o in out]
         res = [-1] * len(keys)
+        chunks: list[range] = []
 
         def copy_out(i_req: int, r: P.Reply) -> None:
             if not isinstance(r, P.GetReply) or len(r.lengths) != len(chunks[i_req]):
-                return  # judged by _call / below
+                return  # judged by _expect / below
             frames = iter(r.frames)
             for i, n in zip(chunks[i_req], r.lengths):
                 res[i] = n
                 if n >= 0:
                     src = next(frames)
-                    dst = byte_view(out[i])
+                    dst = views[i]
                     if n == len(dst):
                         dst[:] = src
             r.frames = []  # release the received buffers now
 
+        def work(conn: _Conn) -> list[P.Reply]:
+            region = conn.region
+            if region is not None and max(len(v) for v in views) <= region.size:
+                res[:] = shm_get(
+                    lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
+                    region, keys, views, self.batch_keys, self.batch_bytes,
+                )
+                return []
+            chunks[:] = self._chunks(len(keys), [len(v) for v in views])
+            reqs = [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks]
+            return self._exchange(conn.sock, reqs, copy_out)
+
         try:
-            replies = self._call(
-                [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks],
-                P.GetReply,
-                copy_out,
-            )
+            replies = self._shm_op(work)
+            if chunks:  # the TCP path ran
+                gets = self._expect(replies, [P.GetRequest()], P.GetReply)
+                if [len(r.lengths) for r in gets] != [len(c) for c in chunks]:
+                    raise StorageError("reply has the wrong number of pages")
         except StorageError as e:
             self._degraded("get", e)
             return [-1] * len(keys)
-        for c, r in zip(chunks, replies):
-            if len(r.lengths) != len(c):
-                self._degraded("get", StorageError("reply has the wrong number of pages"))
-                return [-1] * len(keys)
         return res
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
@@ -299,25 +390,42 @@ class HiCacheServerBackend(StorageBackend):
         if not keys:
             return []
         views = [byte_view(v) for v in values]
+        # A record over the server's frame limit is not sent.
+        send = [i for i, v in enumerate(views)
+                if not self.max_frame_bytes or len(v) <= self.max_frame_bytes]
         ok = [False] * len(keys)
-        # Split by key count and bytes; a record over the server's frame limit is not sent.
-        reqs: list[P.SetRequest] = []
         index: list[list[int]] = []
-        size = 0
-        for i, (k, v) in enumerate(zip(keys, views)):
-            if self.max_frame_bytes and len(v) > self.max_frame_bytes:
-                continue
-            if not reqs or len(index[-1]) >= self.batch_keys or size + len(v) > self.batch_bytes:
-                reqs.append(P.SetRequest())
-                index.append([])
-                size = 0
-            reqs[-1].keys.append(k)
-            reqs[-1].frames.append(v)
-            index[-1].append(i)
-            size += len(v)
-        if reqs:
+
+        def work(conn: _Conn) -> list[P.Reply]:
+            region = conn.region
+            if region is not None and max(len(views[i]) for i in send) <= region.size:
+                got = shm_set(
+                    lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
+                    region, [keys[i] for i in send], [views[i] for i in send],
+                    self.batch_keys, self.batch_bytes,
+                )
+                for i, stored in zip(send, got):
+                    ok[i] = stored
+                return []
+            # Split by key count and bytes; the parts are pipelined.
+            reqs: list[P.SetRequest] = []
+            index.clear()
+            size = 0
+            for i in send:
+                k, v = keys[i], views[i]
+                if not reqs or len(index[-1]) >= self.batch_keys or size + len(v) > self.batch_bytes:
+                    reqs.append(P.SetRequest())
+                    index.append([])
+                    size = 0
+                reqs[-1].keys.append(k)
+                reqs[-1].frames.append(v)
+                index[-1].append(i)
+                size += len(v)
+            return self._exchange(conn.sock, reqs)
+
+        if send:
             try:
-                replies = self._call(reqs, P.SetReply)
+                replies = self._expect(self._shm_op(work), [P.SetRequest()], P.SetReply)
             except StorageError as e:
                 self._degraded("set", e)
                 replies = []
@@ -377,6 +485,8 @@ class HiCacheServerBackend(StorageBackend):
                 return
             self._closed = True
             pool, self._pool = self._pool, []
-        for s in pool:
-            s.close(linger=0)
+        for conn in pool:
+            if conn.region is not None and not self._backoff.down:
+                conn.detach(next(self._ids), self._token, min(self.timeout_ms, 200))
+            conn.close()
         self._ctx.destroy(linger=0)

@@ -1,6 +1,10 @@
 """`hicache` backend against a real `hicache-server` started on a free loopback port (or an
 existing one: HICACHE_BENCH_HICACHE_URL, with HICACHE_BENCH_HICACHE_TOKEN if it wants one).
 
+`hicache` uses the default client, which offers the server a shared-memory region (same host:
+page bytes do not cross TCP); `hicache-tcp` is the same with `"shm": false` (ZeroMQ frames over
+loopback TCP), so the two data paths are measured side by side.
+
 The server's memory capacity is HICACHE_BENCH_HICACHE_CAPACITY (default 8GiB): keep it above the
 benchmark's working set, or the numbers include evictions.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +36,13 @@ def _server(tmp: Path) -> Iterator[tuple[str, str | None]]:
 
 
 @contextmanager
-def _start(tmp: Path) -> Iterator[ClientFactory]:
+def _start(tmp: Path, shm: bool = True) -> Iterator[ClientFactory]:
     from storage_backends.hicache_backend import HiCacheServerBackend
 
-    with _server(tmp / "hicache") as (url, token):
+    with _server(tmp / ("hicache" if shm else "hicache-tcp")) as (url, token):
 
         def make() -> Client:
-            extra: dict[str, Any] = {"url": url, "timeout_ms": 30000}
+            extra: dict[str, Any] = {"url": url, "timeout_ms": 30000, "shm": shm}
             if token:
                 extra["auth_token"] = token
             return BackendClient(HiCacheServerBackend(bench_config(extra)))
@@ -45,4 +50,4 @@ def _start(tmp: Path) -> Iterator[ClientFactory]:
         yield make
 
 
-TARGETS = [Target("hicache", _start)]
+TARGETS = [Target("hicache", _start), Target("hicache-tcp", partial(_start, shm=False))]

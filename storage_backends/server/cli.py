@@ -1,8 +1,11 @@
-"""The `hicache-server` command line: flags and sizes (`main` is in `server.py`)."""
+"""The `hicache-server` command line: flags, sizes and the `ServerConfig` they make (`main` is
+in `server.py`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass
 
 from hicache.units import parse_bytes
 
@@ -11,6 +14,55 @@ DEFAULT_PORT = 7480
 DEFAULT_MAX_FRAME = 64 << 20
 DEFAULT_REPLY_BUDGET = 1 << 30
 DEFAULT_CLIENT_REPLY_BUDGET = 64 << 20
+DEFAULT_SHM_MAX = 2 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    capacity_bytes: int = 8 << 30
+    persist_dir: str | None = None
+    persist_queue: int = 4096
+    persist_block_ms: int = 100
+    persist_capacity_bytes: int = 0
+    auth_token: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME
+    max_keys: int = 65536
+    metrics_port: int | None = None
+    io_threads: int = 2
+    reply_budget_bytes: int = DEFAULT_REPLY_BUDGET
+    client_reply_budget_bytes: int = DEFAULT_CLIENT_REPLY_BUDGET
+    shm_max_bytes: int = DEFAULT_SHM_MAX  # 0: shared-memory attaches refused (--no-shm)
+
+
+def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
+    """Parse and check the command line: the config and the log level."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.client_reply_budget < args.max_frame_bytes:
+        parser.error("--client-reply-budget must be at least --max-frame-bytes (one page)")
+    if args.reply_budget < args.client_reply_budget:
+        parser.error("--reply-budget must be at least --client-reply-budget")
+    token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        capacity_bytes=args.capacity,
+        persist_dir=args.persist_dir,
+        persist_queue=args.persist_queue,
+        persist_block_ms=args.persist_block_ms,
+        persist_capacity_bytes=args.persist_capacity,
+        auth_token=token,
+        max_frame_bytes=args.max_frame_bytes,
+        max_keys=args.max_keys,
+        metrics_port=args.metrics_port,
+        io_threads=args.io_threads,
+        reply_budget_bytes=args.reply_budget,
+        client_reply_budget_bytes=args.client_reply_budget,
+        shm_max_bytes=0 if args.no_shm else args.shm_max_bytes,
+    )
+    return config, args.log_level
 
 
 
@@ -112,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="ZeroMQ I/O threads (socket reads and writes run there, outside the GIL); more "
         "help with many clients moving large pages (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="refuse same-host shared-memory regions: every client sends its pages over TCP",
+    )
+    p.add_argument(
+        "--shm-max-bytes",
+        type=_size,
+        default=str(DEFAULT_SHM_MAX),
+        help="most bytes of client shared-memory regions mapped at once; beyond it the least "
+        "recently used region is dropped (its client attaches again) (default 2GiB)",
     )
     p.add_argument(
         "--metrics-port",

@@ -53,6 +53,13 @@ class Metrics:
         self.errors = pc.Counter(
             "hicache_server_errors", "Error replies by code", ["code"], registry=reg
         )
+        self.page_bytes = pc.Counter(
+            "hicache_server_page_bytes",
+            "Page bytes received (dir=in: set) and sent (dir=out: get) per data path "
+            "(path=tcp: ZeroMQ frames, path=shm: a client's shared-memory region)",
+            ["path", "dir"],
+            registry=reg,
+        )
         self.latency = pc.Histogram(
             "hicache_server_request_seconds",
             "Request handling latency by op",

@@ -24,7 +24,12 @@ import msgpack
 
 from hicache.errors import StorageError
 
-PROTOCOL_VERSION = 1
+# Version 2 adds the same-host shared-memory data path (`attach_shm`, `shm_get`, `shm_set`,
+# `detach_shm`). A message is encoded with the lowest version that has its type (`_SINCE`), so a
+# version-1 client and a version-2 server interoperate (the old client never sends a new type);
+# a new client asking an old server to attach gets an error reply and stays on TCP frames.
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 # A frame as it is sent (bytes or any buffer) or received (zmq.Frame exposes `.buffer`).
 Buffer = Union[bytes, bytearray, memoryview]
@@ -40,6 +45,7 @@ class ErrorCode:
     TOO_LARGE = "too_large"  # a frame over --max-frame-bytes, or too many frames
     INTERNAL = "internal"  # the server failed to execute a well-formed request
     BUSY = "busy"  # too many reply bytes held for this connection (or all): read the replies
+    NO_SHM = "no_shm"  # shm_get / shm_set on a connection with no attached region: re-attach
 
 
 class ProtocolError(StorageError):
@@ -188,6 +194,77 @@ class StatsReply(Reply):
 
 
 @dataclass
+class AttachShmRequest(Request):
+    """Offer the server a shared-memory region (a file in /dev/shm, mode 0600) for this
+    connection's page bytes. Refused (an error reply) when the server cannot open it."""
+
+    TYPE: ClassVar[str] = "attach_shm"
+    name: str = ""  # file name in /dev/shm (no directory)
+    size: int = 0  # its exact size in bytes
+
+
+@dataclass
+class AttachShmReply(Reply):
+    TYPE: ClassVar[str] = "attach_shm_ok"
+
+
+@dataclass
+class DetachShmRequest(Request):
+    TYPE: ClassVar[str] = "detach_shm"
+
+
+@dataclass
+class DetachShmReply(Reply):
+    TYPE: ClassVar[str] = "detach_shm_ok"
+
+
+def _check_descriptors(msg: Message, keys: list[str], offsets: list[int], sizes: list[int]) -> None:
+    if not len(keys) == len(offsets) == len(sizes):
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"{msg.TYPE}: {len(keys)} keys, {len(offsets)} offsets, {len(sizes)} sizes",
+            msg.request_id,
+        )
+
+
+@dataclass
+class ShmSetRequest(Request):
+    """Store records the client wrote into its attached region: key i is the bytes
+    [offsets[i], offsets[i] + lengths[i]). Answered with `SetReply`."""
+
+    TYPE: ClassVar[str] = "shm_set"
+    keys: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check_descriptors(self, self.keys, self.offsets, self.lengths)
+
+
+@dataclass
+class ShmGetRequest(Request):
+    """Read records into the client's attached region: key i into the slot
+    [offsets[i], offsets[i] + capacities[i]). Answered with `ShmGetReply`."""
+
+    TYPE: ClassVar[str] = "shm_get"
+    keys: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    capacities: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check_descriptors(self, self.keys, self.offsets, self.capacities)
+
+
+@dataclass
+class ShmGetReply(Reply):
+    """Per key: the stored record's length (-1: absent). Only a record that fits its slot
+    (length <= capacity) was written into it; a longer one was not written at all."""
+
+    TYPE: ClassVar[str] = "shm_get_ok"
+    lengths: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ErrorReply(Reply):
     TYPE: ClassVar[str] = "error"
     code: str = ErrorCode.INTERNAL
@@ -202,6 +279,10 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     DeleteRequest,
     ClearRequest,
     StatsRequest,
+    AttachShmRequest,
+    DetachShmRequest,
+    ShmSetRequest,
+    ShmGetRequest,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -212,7 +293,23 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     ClearReply,
     StatsReply,
     ErrorReply,
+    AttachShmReply,
+    DetachShmReply,
+    ShmGetReply,
 )
+# The protocol version that introduced each message type (1 when not listed).
+_SINCE: dict[str, int] = {
+    c.TYPE: 2
+    for c in (
+        AttachShmRequest,
+        AttachShmReply,
+        DetachShmRequest,
+        DetachShmReply,
+        ShmSetRequest,
+        ShmGetRequest,
+        ShmGetReply,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -274,7 +371,7 @@ def _conforms(value: Any, tp: Any) -> bool:
 def encode(msg: Message) -> list[Buffer]:
     """Frames of `msg`: the msgpack header, then its payload frames (not copied)."""
     schema = SCHEMAS[msg.TYPE]
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    header: dict[str, Any] = {"v": _SINCE.get(msg.TYPE, 1), "t": msg.TYPE}
     for name, _tp in schema.header_fields:
         header[_WIRE_NAMES.get(name, name)] = getattr(msg, name)
     frames: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
@@ -310,16 +407,21 @@ def decode(frames: Sequence[Buffer], *, expect: str = "any") -> Message:
     rid = header.get("id", 0)
     rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
-            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            f"protocol version {version!r} is not supported (this side speaks "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))})",
             rid,
         )
     tag = header.get("t")
     allowed = {"request": _REQUEST_TAGS, "reply": _REPLY_TAGS}.get(expect, SCHEMAS.keys())
     if not isinstance(tag, str) or tag not in allowed:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag!r}", rid)
+    if version < _SINCE.get(tag, 1):
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION, f"{tag} needs protocol version {_SINCE[tag]}", rid
+        )
     schema = SCHEMAS[tag]
     kwargs: dict[str, Any] = {}
     expected_keys = {"v", "t"}

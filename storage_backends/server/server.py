@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -29,10 +27,13 @@ from storage_backends.server.cli import (  # noqa: F401 - re-exported
     DEFAULT_MAX_FRAME,
     DEFAULT_PORT,
     DEFAULT_REPLY_BUDGET,
+    ServerConfig,
     build_parser,
+    config_from_args,
     parse_size,
 )
 from storage_backends.server.metrics import Metrics
+from storage_backends.server.shm import ShmAttachments, copy_in, copy_out
 from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes, tune_malloc
 
 logger = logging.getLogger(__name__)
@@ -40,24 +41,6 @@ logger = logging.getLogger(__name__)
 SERVER_VERSION = "0.1.0"
 _KEEP_FRAME_BYTES = 64 << 10
 _FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, bookkeeping)
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    capacity_bytes: int = 8 << 30
-    persist_dir: str | None = None
-    persist_queue: int = 4096
-    persist_block_ms: int = 100
-    persist_capacity_bytes: int = 0
-    auth_token: str | None = None
-    max_frame_bytes: int = DEFAULT_MAX_FRAME
-    max_keys: int = 65536
-    metrics_port: int | None = None
-    io_threads: int = 2
-    reply_budget_bytes: int = DEFAULT_REPLY_BUDGET
-    client_reply_budget_bytes: int = DEFAULT_CLIENT_REPLY_BUDGET
-
 
 class HiCacheServer:
     """The server: `serve_forever()` until `stop()` (or SIGTERM/SIGINT in `main`)."""
@@ -78,6 +61,7 @@ class HiCacheServer:
                 self.persist.loaded_pages,
             )
         self.budget = ReplyBudget(config.reply_budget_bytes, config.client_reply_budget_bytes)
+        self.shm = ShmAttachments(config.shm_max_bytes)
         self._token = config.auth_token.encode() if config.auth_token else None
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=config.io_threads)
@@ -97,13 +81,18 @@ class HiCacheServer:
             "error_replies": 0,
             "unauthorized": 0,
             "reply_truncated": 0,
+            # Page bytes received (in: set) and sent (out: get) per data path.
+            "tcp_page_bytes_in": 0,
+            "tcp_page_bytes_out": 0,
+            "shm_page_bytes_in": 0,
+            "shm_page_bytes_out": 0,
         }
         self.metrics: Metrics | None = None
         if config.metrics_port is not None:
             self.metrics = Metrics(self, config.metrics_port)
         logger.info(
             "hicache-server %s listening on tcp://%s:%d (capacity %d bytes, auth %s, "
-            "persistence %s, max frame %d bytes%s)",
+            "persistence %s, max frame %d bytes, shared memory %s%s)",
             SERVER_VERSION,
             config.host,
             self.port,
@@ -111,6 +100,7 @@ class HiCacheServer:
             "required" if self._token else "off",
             config.persist_dir or "off",
             config.max_frame_bytes,
+            f"up to {config.shm_max_bytes} bytes" if self.shm.enabled else "off",
             f", metrics on 127.0.0.1:{config.metrics_port}" if self.metrics else "",
         )
 
@@ -184,7 +174,7 @@ class HiCacheServer:
                     )
                     self._send(ident, envelope, busy)
                 continue
-            self._send(ident, envelope, self._run(req, t0))
+            self._send(ident, envelope, self._run(req, t0, ident))
 
     def _resume_waiting(self) -> None:
         for ident in self.budget.waiting_idents():
@@ -197,7 +187,7 @@ class HiCacheServer:
                 if not self._fits(ident, req, waiting=True):
                     break
                 self.budget.unpark(ident)
-                self._send(ident, envelope, self._run(req, t0))
+                self._send(ident, envelope, self._run(req, t0, ident))
 
     def _fits(self, ident: bytes, req: P.Request | P.ErrorReply, waiting: bool = False) -> bool:
         if not isinstance(req, P.GetRequest):
@@ -221,6 +211,7 @@ class HiCacheServer:
         if self.persist is not None:
             n = self.persist.close()
             logger.info("persistence flushed (%d pages written)", n)
+        self.shm.close()
         self._monitor.close(linger=0)
         self.sock.close(linger=0)
         self._ctx.term()
@@ -230,10 +221,10 @@ class HiCacheServer:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def handle(self, frames: Sequence[Any]) -> P.Reply:
+    def handle(self, frames: Sequence[Any], ident: bytes = b"") -> P.Reply:
         """Answer one request (its frames after the routing envelope: `zmq.Frame`s or any
-        buffers) at once, outside the reply budgets. Never raises."""
-        return self._run(self._parse(frames), time.perf_counter())
+        buffers) from connection `ident` at once, outside the reply budgets. Never raises."""
+        return self._run(self._parse(frames), time.perf_counter(), ident)
 
     def _parse(self, frames: Sequence[Any], again: bool = False) -> P.Request | P.ErrorReply:
         """The request, checked (frame sizes, decoding, token, keys); or the error reply
@@ -252,14 +243,14 @@ class HiCacheServer:
             logger.exception("request failed")
             return self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
 
-    def _run(self, req: P.Request | P.ErrorReply, t0: float) -> P.Reply:
+    def _run(self, req: P.Request | P.ErrorReply, t0: float, ident: bytes) -> P.Reply:
         op = "invalid"
         if isinstance(req, P.ErrorReply):
             reply: P.Reply = req
         else:
             op = req.TYPE
             try:
-                reply = self._execute(req)
+                reply = self._execute(req, ident)
             except P.ProtocolError as e:
                 reply = self._error(e.code, e.message, e.request_id)
             except Exception as e:  # noqa: BLE001 - a bad request must never stop the server
@@ -268,6 +259,12 @@ class HiCacheServer:
         if self.metrics is not None:
             self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
         return reply
+
+    def _page_bytes(self, counter: str, n: int) -> None:
+        self.counters[counter] += n
+        if self.metrics is not None:
+            path, direction = counter.split("_page_bytes_")
+            self.metrics.page_bytes.labels(path, direction).inc(n)
 
     def _error(self, code: str, message: str, request_id: int) -> P.ErrorReply:
         self.counters["error_replies"] += 1
@@ -314,13 +311,32 @@ class HiCacheServer:
             # Each key's page would be sent once per mention: refused, not multiplied.
             raise P.ProtocolError(P.ErrorCode.MALFORMED, "a key is repeated in one get", rid)
 
-    def _execute(self, req: P.Request) -> P.Reply:
+    def _execute(self, req: P.Request, ident: bytes) -> P.Reply:
         rid = req.request_id
         keys: list[str] = getattr(req, "keys", [])
         if isinstance(req, P.GetRequest):
             return self._get(rid, keys)
         if isinstance(req, P.SetRequest):
+            self._page_bytes("tcp_page_bytes_in", sum(len(f) for f in req.frames))
             return self._set(rid, keys, req.frames)
+        if isinstance(req, P.ShmGetRequest):
+            region = self.shm.region(ident, rid)
+            lengths = copy_out(region, req, self._lookup(keys))
+            self._page_bytes("shm_page_bytes_out", sum(
+                n for n, c in zip(lengths, req.capacities) if 0 <= n <= c
+            ))
+            return P.ShmGetReply(request_id=rid, lengths=lengths)
+        if isinstance(req, P.ShmSetRequest):
+            region = self.shm.region(ident, rid)
+            records = copy_in(region, req, self.config.max_frame_bytes)
+            self._page_bytes("shm_page_bytes_in", sum(req.lengths))
+            return self._set(rid, keys, records)
+        if isinstance(req, P.AttachShmRequest):
+            self.shm.attach(ident, req.name, req.size, rid)
+            return P.AttachShmReply(request_id=rid)
+        if isinstance(req, P.DetachShmRequest):
+            self.shm.detach(ident)
+            return P.DetachShmReply(request_id=rid)
         if isinstance(req, P.ExistsRequest):
             return P.ExistsReply(request_id=rid, count=self._exists(keys))
         if isinstance(req, P.DeleteRequest):
@@ -363,7 +379,8 @@ class HiCacheServer:
             sizes = [n if n is not None else self.persist.size_of(k) for k, n in zip(keys, sizes)]
         return cap_reply([-1 if n is None else n for n in sizes], self.budget.per_client_bytes)[1]
 
-    def _get(self, rid: int, keys: list[str]) -> P.GetReply:
+    def _lookup(self, keys: list[str]) -> list[Value | None]:
+        """The pages of `keys` (None: absent), memory first, then persistence (promoted)."""
         values = self.store.get(keys)
         hits = sum(v is not None for v in values)
         if hits < len(keys) and self.persist is not None:
@@ -377,6 +394,10 @@ class HiCacheServer:
         if self.metrics is not None:
             self.metrics.hits.inc(hits)
             self.metrics.misses.inc(len(keys) - hits)
+        return values
+
+    def _get(self, rid: int, keys: list[str]) -> P.GetReply:
+        values = self._lookup(keys)
         # One reply carries at most --client-reply-budget bytes: the pages past it are answered
         # as absent (misses), so that one reply always fits the budget.
         lengths, _ = cap_reply([-1 if v is None else nbytes(v) for v in values],
@@ -384,6 +405,7 @@ class HiCacheServer:
         if any(n < 0 and v is not None for n, v in zip(lengths, values)):
             self.counters["reply_truncated"] += 1
         frames = [v for v, n in zip(values, lengths) if n >= 0 and v is not None]
+        self._page_bytes("tcp_page_bytes_out", sum(n for n in lengths if n > 0))
         return P.GetReply(request_id=rid, lengths=lengths, frames=frames)
 
     def _put_memory(self, key: str, value: Value, *, persist: bool, deadline: float = 0.0) -> bool:
@@ -434,6 +456,9 @@ class HiCacheServer:
             "connected_clients": self.connected_clients,
             **self.counters,
             **self.budget.counters(),
+            **self.shm.counters,
+            "shm_regions": len(self.shm),
+            "shm_mapped_bytes": self.shm.mapped_bytes,
         }
         if self.persist is not None:
             out.update({f"persist_{k}": v for k, v in self.persist.counters().items()})
@@ -446,34 +471,12 @@ class HiCacheServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.client_reply_budget < args.max_frame_bytes:
-        parser.error("--client-reply-budget must be at least --max-frame-bytes (one page)")
-    if args.reply_budget < args.client_reply_budget:
-        parser.error("--reply-budget must be at least --client-reply-budget")
+    config, log_level = config_from_args(list(argv) if argv is not None else None)
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=getattr(logging, log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     tune_malloc()
-    token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        capacity_bytes=args.capacity,
-        persist_dir=args.persist_dir,
-        persist_queue=args.persist_queue,
-        persist_block_ms=args.persist_block_ms,
-        persist_capacity_bytes=args.persist_capacity,
-        auth_token=token,
-        max_frame_bytes=args.max_frame_bytes,
-        max_keys=args.max_keys,
-        metrics_port=args.metrics_port,
-        io_threads=args.io_threads,
-        reply_budget_bytes=args.reply_budget,
-        client_reply_budget_bytes=args.client_reply_budget,
-    )
     server = HiCacheServer(config)
 
     def _on_signal(signum: int, _frame: object) -> None:

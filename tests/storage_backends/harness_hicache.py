@@ -1,5 +1,6 @@
 """Contract harness for the `hicache` backend: one real `hicache-server` process on a free
-loopback port, shared by every backend object the suite makes."""
+loopback port, shared by every backend object the suite makes. The clients use the default
+same-host data path (a shared-memory region per connection; `harness_hicache_tcp` covers TCP)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,13 @@ SAMPLES: list[P.Message] = [
     P.StatsRequest(request_id=7),
     P.StatsReply(request_id=7, stats={"pages": 3, "bytes": 12}),
     P.ErrorReply(request_id=8, code=P.ErrorCode.UNAUTHORIZED, message="no"),
+    P.AttachShmRequest(request_id=9, token="tok", name="hicache-1-ab", size=1 << 24),
+    P.AttachShmReply(request_id=9),
+    P.DetachShmRequest(request_id=10, token="tok"),
+    P.DetachShmReply(request_id=10),
+    P.ShmSetRequest(request_id=11, keys=["a", "b"], offsets=[0, 100], lengths=[100, 7]),
+    P.ShmGetRequest(request_id=12, keys=["a", "b"], offsets=[0, 100], capacities=[100, 7]),
+    P.ShmGetReply(request_id=12, lengths=[100, -1]),
 ]
 
 
@@ -69,7 +76,21 @@ def test_payload_frames_are_not_copied_into_the_header() -> None:
 
 def test_header_carries_the_version_and_wire_names() -> None:
     header = msgpack.unpackb(P.encode(P.GetRequest(request_id=9, token="s", keys=["k"]))[0])
-    assert header == {"v": P.PROTOCOL_VERSION, "t": "get", "id": 9, "auth": "s", "keys": ["k"]}
+    assert header == {"v": 1, "t": "get", "id": 9, "auth": "s", "keys": ["k"]}
+
+
+def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
+    """Version-1 types stay version 1 on the wire (a version-1 peer reads them); only the
+    shared-memory types say 2."""
+    assert P.PROTOCOL_VERSION == 2
+    v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
+          "shm_get_ok"}
+    for msg in SAMPLES:
+        header = msgpack.unpackb(P.encode(msg)[0])
+        assert header["v"] == (2 if msg.TYPE in v2 else 1), msg.TYPE
+    # A version-2 header on a version-1 type is read too.
+    back = P.decode([_header(**{**GOOD_GET, "v": 2})], expect="request")
+    assert isinstance(back, P.GetRequest) and back.keys == ["a"]
 
 
 @given(
@@ -100,8 +121,30 @@ MALFORMED: list[tuple[str, list[bytes], str]] = [
     ("header is an int", [msgpack.packb(7)], P.ErrorCode.MALFORMED),
     ("empty header frame", [b""], P.ErrorCode.MALFORMED),
     ("no version", [_header(t="get", id=1, auth="", keys=[])], P.ErrorCode.BAD_VERSION),
-    ("future version", [_header(**{**GOOD_GET, "v": 2})], P.ErrorCode.BAD_VERSION),
+    ("future version", [_header(**{**GOOD_GET, "v": 3})], P.ErrorCode.BAD_VERSION),
     ("version as string", [_header(**{**GOOD_GET, "v": "1"})], P.ErrorCode.BAD_VERSION),
+    ("version as float", [_header(**{**GOOD_GET, "v": 1.0})], P.ErrorCode.BAD_VERSION),
+    ("version as bool", [_header(**{**GOOD_GET, "v": True})], P.ErrorCode.BAD_VERSION),
+    (
+        "shm type at version 1",
+        [_header(v=1, t="shm_get", id=1, auth="", keys=[], offsets=[], capacities=[])],
+        P.ErrorCode.BAD_VERSION,
+    ),
+    (
+        "shm_set with fewer offsets than keys",
+        [_header(v=2, t="shm_set", id=1, auth="", keys=["a", "b"], offsets=[0], lengths=[1, 1])],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "shm_get with a string offset",
+        [_header(v=2, t="shm_get", id=1, auth="", keys=["a"], offsets=["0"], capacities=[1])],
+        P.ErrorCode.MALFORMED,
+    ),
+    (
+        "attach_shm without a size",
+        [_header(v=2, t="attach_shm", id=1, auth="", name="x")],
+        P.ErrorCode.MALFORMED,
+    ),
     ("unknown type", [_header(**{**GOOD_GET, "t": "rm -rf"})], P.ErrorCode.UNKNOWN_TYPE),
     ("type not a string", [_header(**{**GOOD_GET, "t": 3})], P.ErrorCode.UNKNOWN_TYPE),
     ("keys is an int", [_header(**{**GOOD_GET, "keys": 3})], P.ErrorCode.MALFORMED),

@@ -1,0 +1,208 @@
+"""The client side of `hicache-server`'s same-host shared-memory data path (protocol v2).
+
+Each pooled connection of `HiCacheServerBackend` creates one region: a file in /dev/shm with a
+random name, created with mode 0600 (`O_CREAT | O_EXCL | O_NOFOLLOW`), sized, mapped, and
+offered to the server with `attach_shm`. Once the server has attached it, the file is unlinked
+(both sides keep their mapping), so nothing is left in /dev/shm whatever happens to the client
+later. A region the server refuses is unlinked and closed, and the connection uses TCP frames.
+
+`set`: the records are written into the region and only (key, offset, length) descriptors are
+sent; the server copies them out and acknowledges. `get`: the client sends (key, offset,
+capacity) slots; the server writes each record that fits its slot and replies with lengths;
+the client copies each record whose length is exactly its buffer's into the caller's buffer.
+A batch larger than the region goes in rounds; the requests of one round are pipelined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from hicache.errors import StorageError
+from storage_backends.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+# Error codes with which a server says it will not take a region (an old server does not know
+# the type); the client then stays on TCP frames.
+SHM_REFUSALS = (
+    P.ErrorCode.NO_SHM, P.ErrorCode.UNKNOWN_TYPE, P.ErrorCode.BAD_VERSION, P.ErrorCode.MALFORMED
+)
+
+# Sends requests on one connection and collects their replies in order; on_reply(i, reply)
+# runs as each arrives.
+Exchange = Callable[[Sequence[P.Request], Callable[[int, P.Reply], None] | None], list[P.Reply]]
+
+
+class ShmLost(Exception):
+    """The server no longer has this connection's region (it restarted, or dropped it)."""
+
+
+class ClientRegion:
+    """A region in /dev/shm owned by this process (mode 0600)."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"hicache-{os.getpid()}-{secrets.token_hex(16)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        self.size = size
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+        self.buf = memoryview(self._mm)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        self.buf.release()
+        self._mm.close()
+
+
+@dataclass
+class Conn:
+    """A pooled DEALER socket and its attached region (None: pages go as TCP frames)."""
+
+    sock: zmq.Socket
+    region: ClientRegion | None = None
+
+    def detach(self, request_id: int, token: str, timeout_ms: int) -> None:
+        """Ask the server to unmap the region (best effort: a server that does not answer in
+        time drops it later, least recently used first, under --shm-max-bytes)."""
+        req = P.DetachShmRequest(request_id=request_id, token=token)
+        try:
+            self.sock.send_multipart(P.encode(req), flags=zmq.NOBLOCK)
+            if self.sock.poll(timeout_ms, zmq.POLLIN):
+                self.sock.recv_multipart()
+        except zmq.ZMQError as e:
+            logger.debug("hicache backend: detach failed: %s", e)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+
+
+@dataclass
+class Chunk:
+    """One request: keys idx[0..n) of the batch at offsets in the region."""
+
+    idx: range
+    offsets: list[int]
+    sizes: list[int]
+
+
+def plan(sizes: Sequence[int], batch_keys: int, batch_bytes: int, region: int) -> list[list[Chunk]]:
+    """Split a batch into rounds of requests: each request at most `batch_keys` keys and
+    `batch_bytes` bytes (one record more when a single record is larger), each round's records
+    side by side in the region. Every size must be <= `region`."""
+    rounds: list[list[Chunk]] = [[]]
+    used = 0  # region bytes used by the current round
+    chunk: Chunk | None = None
+    chunk_bytes = 0
+    for i, n in enumerate(sizes):
+        if used + n > region:  # the region is full: a new round, from offset 0
+            rounds.append([])
+            used = 0
+            chunk = None
+        if chunk is None or len(chunk.idx) >= batch_keys or chunk_bytes + n > batch_bytes:
+            chunk = Chunk(range(i, i), [], [])
+            rounds[-1].append(chunk)
+            chunk_bytes = 0
+        chunk.idx = range(chunk.idx.start, i + 1)
+        chunk.offsets.append(used)
+        chunk.sizes.append(n)
+        used += n
+        chunk_bytes += n
+    return [r for r in rounds if r]
+
+
+def _checked(reply: P.Reply, kind: type[P.Reply], n: int) -> None:
+    if isinstance(reply, P.ErrorReply):
+        if reply.code == P.ErrorCode.NO_SHM:
+            raise ShmLost(reply.message)
+        raise StorageError(f"server answered {reply.code}: {reply.message}")
+    if not isinstance(reply, kind):
+        raise StorageError(f"server answered {reply.TYPE} to a shm request")
+    got = len(reply.lengths if isinstance(reply, P.ShmGetReply) else getattr(reply, "stored", []))
+    if got != n:
+        raise StorageError(f"server answered {got} results for {n} keys")
+
+
+def shm_set(
+    exchange: Exchange,
+    region: ClientRegion,
+    keys: Sequence[str],
+    views: Sequence[memoryview],
+    batch_keys: int,
+    batch_bytes: int,
+) -> list[bool]:
+    """Store `views[i]` (flat byte views, each <= the region) under `keys[i]` through the
+    region; per key, whether the server stored it."""
+    ok = [False] * len(keys)
+    buf = region.buf
+    for rnd in plan([len(v) for v in views], batch_keys, batch_bytes, region.size):
+        reqs: list[P.Request] = []
+        for c in rnd:
+            for i, off, n in zip(c.idx, c.offsets, c.sizes):
+                buf[off : off + n] = views[i]
+            reqs.append(
+                P.ShmSetRequest(keys=[keys[i] for i in c.idx], offsets=c.offsets, lengths=c.sizes)
+            )
+        for c, r in zip(rnd, exchange(reqs, None)):
+            _checked(r, P.SetReply, len(c.idx))
+            assert isinstance(r, P.SetReply)
+            for i, stored in zip(c.idx, r.stored):
+                ok[i] = stored is True
+    return ok
+
+
+def shm_get(
+    exchange: Exchange,
+    region: ClientRegion,
+    keys: Sequence[str],
+    out: Sequence[memoryview],
+    batch_keys: int,
+    batch_bytes: int,
+) -> list[int]:
+    """Read `keys` through the region into `out` (flat byte views, each <= the region): per key
+    the stored length (-1: absent); the bytes are copied only when it equals `len(out[i])`."""
+    res = [-1] * len(keys)
+    buf = region.buf
+    for rnd in plan([len(o) for o in out], batch_keys, batch_bytes, region.size):
+
+        def copy_out(i_req: int, r: P.Reply, rnd: list[Chunk] = rnd) -> None:
+            c = rnd[i_req]
+            _checked(r, P.ShmGetReply, len(c.idx))
+            assert isinstance(r, P.ShmGetReply)
+            for i, off, cap, n in zip(c.idx, c.offsets, c.sizes, r.lengths):
+                if not isinstance(n, int) or n < -1:
+                    raise StorageError(f"server answered length {n!r}")
+                res[i] = n
+                if n >= 0 and n == cap:  # == len(out[i]): within the slot by construction
+                    out[i][:] = buf[off : off + n]
+
+        reqs: list[P.Request] = [
+            P.ShmGetRequest(keys=[keys[i] for i in c.idx], offsets=c.offsets, capacities=c.sizes)
+            for c in rnd
+        ]
+        exchange(reqs, copy_out)
+    return res
