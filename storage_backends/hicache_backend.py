@@ -487,6 +487,6 @@ class HiCacheServerBackend(StorageBackend):
             pool, self._pool = self._pool, []
         for conn in pool:
             if conn.region is not None and not self._backoff.down:
-                conn.detach(next(self._ids), self._token, min(self.timeout_ms, 200))
+                conn.detach(next(self._ids), self._token, min(self.timeout_ms, 1000))
             conn.close()
         self._ctx.destroy(linger=0)
