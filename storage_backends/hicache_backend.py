@@ -158,8 +158,11 @@ class HiCacheServerBackend(StorageBackend):
             conn.region = region
             return
         region.close()
-        if isinstance(reply, P.ErrorReply) and reply.code in SHM_REFUSALS:
-            self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
+        if not isinstance(reply, P.ErrorReply):
+            raise StorageError(f"{self.url} answered {reply.TYPE} to attach_shm")
+        if reply.code not in SHM_REFUSALS:  # e.g. a wrong token: refused like any request
+            raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
+        self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
 
     def _no_shm(self, why: str) -> None:
         if self.shm_enabled:

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 SERVER_VERSION = "0.1.0"
 _KEEP_FRAME_BYTES = 64 << 10
 _FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, bookkeeping)
+# The latency metric's `op` label: a get is a get whichever path its bytes take.
+_OP_LABEL = {P.ShmGetRequest.TYPE: "get", P.ShmSetRequest.TYPE: "set"}
 
 class HiCacheServer:
     """The server: `serve_forever()` until `stop()` (or SIGTERM/SIGINT in `main`)."""
@@ -248,7 +250,7 @@ class HiCacheServer:
         if isinstance(req, P.ErrorReply):
             reply: P.Reply = req
         else:
-            op = req.TYPE
+            op = _OP_LABEL.get(req.TYPE, req.TYPE)
             try:
                 reply = self._execute(req, ident)
             except P.ProtocolError as e:

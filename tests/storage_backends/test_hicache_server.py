@@ -146,6 +146,8 @@ def test_help_documents_every_flag() -> None:
         "--auth-token",
         "--max-frame-bytes",
         "--metrics-port",
+        "--no-shm",
+        "--shm-max-bytes",
         "--log-level",
     ]:
         assert flag in out
@@ -434,6 +436,10 @@ ALL_REQUESTS: list[P.Request] = [
     P.DeleteRequest(keys=["a"]),
     P.ClearRequest(),
     P.StatsRequest(),
+    P.AttachShmRequest(name="hicache-none", size=4096),
+    P.DetachShmRequest(),
+    P.ShmSetRequest(keys=["a"], offsets=[0], lengths=[1]),
+    P.ShmGetRequest(keys=["a"], offsets=[0], capacities=[1]),
 ]
 
 
