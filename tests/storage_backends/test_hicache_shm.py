@@ -336,3 +336,25 @@ def test_page_bytes_metric_by_path(tmp_path: Path) -> None:
         assert metrics['hicache_server_page_bytes_total{dir="in",path="shm"}'] == total
         assert metrics['hicache_server_page_bytes_total{dir="out",path="shm"}'] == total
         b.close()
+
+
+def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
+    """Pages stored from frames (kept as received zmq frames) are served into regions, and
+    pages stored from a region are served as frames, bit for bit."""
+    keys_t, recs_t = _pages("from-tcp", 4)
+    keys_s, recs_s = _pages("from-shm", 4)
+    with hicache_server(tmp_path) as srv:
+        tcp, shm = srv.client(shm=False), srv.client()
+        assert tcp.batch_set(keys_t, [memoryview(r) for r in recs_t]) == [True] * 4
+        assert shm.batch_set(keys_s, [memoryview(r) for r in recs_s]) == [True] * 4
+        for reader, keys, recs in ((shm, keys_t, recs_t), (tcp, keys_s, recs_s)):
+            out = [memoryview(bytearray(len(r))) for r in recs]
+            assert reader.batch_get(keys, out) == [True] * 4
+            assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        total = sum(len(r) for r in recs_t)
+        assert _bytes(shm.server_stats()) == {"tcp_page_bytes_in": total,
+                                              "tcp_page_bytes_out": total,
+                                              "shm_page_bytes_in": total,
+                                              "shm_page_bytes_out": total}
+        tcp.close()
+        shm.close()
