@@ -16,10 +16,10 @@ key              meaning                                           default
                  see `storage_backends.server.store.tune_malloc`):
                  ~3x faster receives of 1 MiB pages
 ``shm``          offer the server a shared-memory region per       true
-                 connection (same host only; see
-                 `storage_backends.hicache_shm`); false: TCP only
+                 connection (same host; `storage_backends.hicache_shm`)
 ``shm_bytes``    size of each connection's region; a batch larger  4 x ``batch_bytes``
-                 goes in rounds, a record larger goes over TCP
+                 goes in rounds of requests of 1/8 of it, a record
+                 larger goes over TCP
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, TypeVar
 
 import zmq
@@ -53,10 +53,8 @@ from storage_backends.server.store import tune_malloc
 
 logger = logging.getLogger(__name__)
 
-KNOWN_KEYS = (
-    "url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc", "shm",
-    "shm_bytes",
-)
+KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
+              "shm", "shm_bytes")
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 
 R = TypeVar("R", bound=P.Reply)
@@ -84,6 +82,8 @@ class HiCacheServerBackend(StorageBackend):
             raise ConfigError(
                 "hicache backend: timeout_ms, batch_keys, batch_bytes, shm_bytes must be > 0"
             )
+        # shm requests are smaller (8 per region) so the two sides' copies overlap.
+        self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
         # Whether new connections offer a region: off by config, or after a server refused one.
         self.shm_enabled = setting(config, "shm", True)
         if setting(config, "tune_malloc", True):
@@ -208,23 +208,27 @@ class HiCacheServerBackend(StorageBackend):
     def _exchange(
         self,
         s: zmq.Socket,
-        reqs: Sequence[P.Request],
+        reqs: Iterable[P.Request],
         on_reply: Callable[[int, P.Reply], None] | None = None,
     ) -> list[P.Reply]:
         """Send every request (pipelined on one socket), collect their replies in order.
 
+        `reqs` may be a generator: each request is sent as soon as it is made (a shm set
+        writes the next records into the region while the server copies the previous ones).
         `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
         wire (a get copies its pages out then, so the received buffers are freed and reused)."""
         try:
             wanted: dict[int, int] = {}
+            n = 0
             for i, req in enumerate(reqs):
                 req.request_id = next(self._ids)
                 req.token = self._token
                 wanted[req.request_id] = i
                 s.send_multipart(P.encode(req), copy=False)
-            replies: list[P.Reply | None] = [None] * len(reqs)
+                n += 1
+            replies: list[P.Reply | None] = [None] * n
             got = 0
-            while got < len(reqs):
+            while got < n:
                 # The timeout bounds the wait for each reply, so a large pipelined batch that
                 # keeps making progress is not cut short.
                 if not s.poll(self.timeout_ms, zmq.POLLIN):
@@ -369,7 +373,7 @@ class HiCacheServerBackend(StorageBackend):
             if region is not None and max(len(v) for v in views) <= region.size:
                 res[:] = shm_get(
                     lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
-                    region, keys, views, self.batch_keys, self.batch_bytes,
+                    region, keys, views, self.batch_keys, self._shm_request_bytes,
                 )
                 return []
             chunks[:] = self._chunks(len(keys), [len(v) for v in views])
@@ -405,7 +409,7 @@ class HiCacheServerBackend(StorageBackend):
                 got = shm_set(
                     lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
                     region, [keys[i] for i in send], [views[i] for i in send],
-                    self.batch_keys, self.batch_bytes,
+                    self.batch_keys, self._shm_request_bytes,
                 )
                 for i, stored in zip(send, got):
                     ok[i] = stored

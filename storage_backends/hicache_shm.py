@@ -20,7 +20,7 @@ import logging
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -39,7 +39,7 @@ SHM_REFUSALS = (
 
 # Sends requests on one connection and collects their replies in order; on_reply(i, reply)
 # runs as each arrives.
-Exchange = Callable[[Sequence[P.Request], Callable[[int, P.Reply], None] | None], list[P.Reply]]
+Exchange = Callable[[Iterable[P.Request], Callable[[int, P.Reply], None] | None], list[P.Reply]]
 
 
 class ShmLost(Exception):
@@ -159,15 +159,17 @@ def shm_set(
     region; per key, whether the server stored it."""
     ok = [False] * len(keys)
     buf = region.buf
-    for rnd in plan([len(v) for v in views], batch_keys, batch_bytes, region.size):
-        reqs: list[P.Request] = []
-        for c in rnd:
+
+    def requests(rnd: list[Chunk]) -> Iterator[P.Request]:
+        for c in rnd:  # each request goes out as soon as its records are in the region
             for i, off, n in zip(c.idx, c.offsets, c.sizes):
                 buf[off : off + n] = views[i]
-            reqs.append(
-                P.ShmSetRequest(keys=[keys[i] for i in c.idx], offsets=c.offsets, lengths=c.sizes)
+            yield P.ShmSetRequest(
+                keys=[keys[i] for i in c.idx], offsets=c.offsets, lengths=c.sizes
             )
-        for c, r in zip(rnd, exchange(reqs, None)):
+
+    for rnd in plan([len(v) for v in views], batch_keys, batch_bytes, region.size):
+        for c, r in zip(rnd, exchange(requests(rnd), None)):
             _checked(r, P.SetReply, len(c.idx))
             assert isinstance(r, P.SetReply)
             for i, stored in zip(c.idx, r.stored):
