@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,13 @@ from storage_backends import hicache_backend
 from storage_backends.hicache_shm import ClientRegion, plan
 from storage_backends.server import protocol as P
 from tests.procs import free_port
-from tests.storage_backends.hicache_server_proc import codec, hicache_server, page_key, page_record
+from tests.storage_backends.hicache_server_proc import (
+    HiCacheServerProc,
+    codec,
+    hicache_server,
+    page_key,
+    page_record,
+)
 
 PAYLOAD = (256 << 10) - 128  # 256 KiB records
 SHM_COUNTERS = ("tcp_page_bytes_in", "tcp_page_bytes_out", "shm_page_bytes_in",
@@ -358,3 +365,34 @@ def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
                                               "shm_page_bytes_out": total}
         tcp.close()
         shm.close()
+
+
+class _Version1Server(HiCacheServerProc):
+    """A server that speaks protocol version 1 only, as released before the shm path: every
+    version-2 message gets `bad_version`."""
+
+    def _launcher(self) -> list[str]:
+        boot = (
+            "import runpy, sys; import storage_backends.server.protocol as P; "
+            "P.SUPPORTED_VERSIONS = (1,); sys.argv[0] = 'hicache-server'; "
+            "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
+        )
+        return [sys.executable, "-c", boot]
+
+
+def test_new_client_on_a_version_1_server_uses_tcp(tmp_path: Path) -> None:
+    keys, recs = _pages("v1", 4)
+    total = sum(len(r) for r in recs)
+    srv = _Version1Server(tmp_path).start()
+    try:
+        b = srv.client()
+        assert b.shm_enabled is False
+        _roundtrip(b, keys, recs)
+        st = b.server_stats()
+        assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
+                              "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        assert (st["shm_attached"], st["shm_regions"]) == (0, 0)
+        assert b.stats().errors == 0
+        b.close()
+    finally:
+        srv.stop()
