@@ -370,7 +370,7 @@ class HiCacheServerBackend(StorageBackend):
 
         def work(conn: _Conn) -> list[P.Reply]:
             region = conn.region
-            if region is not None and max(len(v) for v in views) <= region.size:
+            if region is not None and max((len(v) for v in views), default=0) <= region.size:
                 res[:] = shm_get(
                     lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
                     region, keys, views, self.batch_keys, self._shm_request_bytes,
