@@ -177,6 +177,21 @@ class SchedulerProcess:
         else:
             logger.warning("ignoring unexpected message %s", type(msg).__name__)
 
+    def cost_model(self) -> dict[str, Any] | None:
+        """What the cache's load-vs-recompute model has measured (EWMAs; None: not yet), or None
+        without a cost model (no hierarchical cache)."""
+        controller = getattr(self.engine.cache, "controller", None)
+        cost = getattr(controller, "cost", None)
+        if cost is None:
+            return None
+        return {
+            "bytes_per_token": cost.bytes_per_token,
+            "prefill_tokens_per_s": cost.prefill.value,
+            "host_bytes_per_s": cost.bandwidth["host"].value,
+            "storage_bytes_per_s": cost.bandwidth["storage"].value,
+            "storage_samples": cost.bandwidth["storage"].samples,
+        }
+
     def control(self, msg: P.ControlReq) -> P.ControlResp:
         op, payload = msg.op, msg.payload
 
@@ -189,6 +204,7 @@ class SchedulerProcess:
             if op == "stats":
                 stats = e.cache_stats()
                 stats["storage_backend"] = self.backend
+                stats["cost_model"] = self.cost_model()
                 if payload.get("bandwidth"):
                     stats["bandwidth"] = self.bandwidth.drain()
                 return resp(**stats)
