@@ -117,6 +117,8 @@ class SchedulerProcess:
         )
         self.backend_extra: dict[str, Any] = args.storage_extra_config() if self.backend else {}
         self.bandwidth = _Bandwidth()
+        if self.backend is not None and self.engine.caching:
+            self.warn_host_room()
         self.events: EventCollector | None = None
         self.publisher: KVEventPublisher | None = None
         kv_events = KVEventsConfig.from_any(args.kv_events_config)
@@ -128,6 +130,19 @@ class SchedulerProcess:
                 self.publisher = KVEventPublisher(kv_events)
                 self.events = EventCollector()
                 self.engine.cache.set_event_sink(self.events)
+
+    def warn_host_room(self) -> None:
+        """An L3 prefetch lands in free host pages, and host eviction drops only pages that are
+        off the device; with write-through every device page has a host copy. So a host pool no
+        larger than the device pool leaves prefetches room only while the device pool has free
+        pages (SGLang refuses such a configuration)."""
+        u = self.engine.cache.usage()
+        host, device = int(u.get("host_pages_total", 0)), int(u.get("device_pages_total", 0))
+        if host <= device:
+            logger.warning(
+                "the host pool (%d pages) is not larger than the device pool (%d pages): L3 "
+                "prefetches find host room only while the device pool has free pages; raise "
+                "--hicache-ratio above 1 or --hicache-size", host, device)
 
     def publish_events(self) -> None:
         """One batch per loop pass: the cache events of this step (or of idle acks)."""
