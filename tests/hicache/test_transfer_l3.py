@@ -129,3 +129,43 @@ def test_pipelined_prefetch_counts_the_leading_run_only():
         assert ctl.acks() == [full, holed]
     finally:
         ctl.close()
+
+
+def test_readers_start_with_the_controller_and_a_prefetch_starts_no_thread():
+    """A restarted engine's first L3 hit pays for no thread start or fresh staging memory: the
+    controller starts its readers, each with a touched staging buffer, when it is created."""
+    import threading
+
+    from hicache.controller import MIN_READ_PAGES
+
+    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
+    dev.kv.copy_(torch.randn(dev.kv.shape))
+    host = HostKVPool.like(dev, 96, layout="page_first")
+    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
+                      layout="page_first", tokens_per_page=2, itemsize=4)
+    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-warm"})),
+                        codec)
+    keys = [f"w{i}" for i in range(40)]
+    tr.device_to_host(list(range(40)), list(range(40)))
+    tr.store(keys, list(range(40)), counters())
+    ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=3)
+    try:
+        readers = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        assert len(readers) == 3
+        sizes = ctl._reader_pool.map(lambda _: tr._local.tensor.numel(), range(9))
+        assert set(sizes) == {MIN_READ_PAGES * codec.record_bytes}
+        op = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
+                        host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        ctl.submit_prefetch(op)
+        assert ctl.wait_idle(60)
+        assert op.completed == 40
+        assert torch.equal(host.page_major[50:90], host.page_major[0:40])
+        after = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        assert after == readers
+    finally:
+        ctl.close()
+    unstarted = TransferController(tr, has_storage=False, readers=3)  # no L3: no readers
+    try:
+        assert unstarted._reader_pool is None
+    finally:
+        unstarted.close()
