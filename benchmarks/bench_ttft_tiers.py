@@ -18,6 +18,12 @@ throughput (bytes / seconds spent in storage reads) next to a raw read of the sa
         [--dtype float32] [--device cpu] [--profile DIR] [--out PATH]
 
 `--profile DIR` writes a cProfile dump of each tier's request (`DIR/<row>.prof`).
+
+Every row also carries `forward_s` (the model's forward inside that request, for its
+`computed_tokens`: the new tokens plus the prompt's last partial page, which no cache holds) and
+`outside_forward_s` (the rest: matching, loads, waiting for a prefetch, scheduling); `ratios` gives
+both as `<row>_forward_vs_compute` and `<row>_outside_forward_vs_compute`, i.e. what the forward
+of the uncached tokens costs and what the cache itself costs.
 """
 
 from __future__ import annotations
