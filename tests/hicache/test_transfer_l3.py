@@ -32,6 +32,20 @@ def counters() -> SimpleNamespace:
     return SimpleNamespace(written=0, failed=0, nbytes=0, completed=0, corrupt=0)
 
 
+def forty_stored_pages(shared: str):
+    """40 pages (device pages 0-39 -> host pages 0-39) stored in L3; host pages 50-89 are free."""
+    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
+    dev.kv.copy_(torch.randn(dev.kv.shape))
+    host = HostKVPool.like(dev, 96, layout="page_first")
+    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
+                      layout="page_first", tokens_per_page=2, itemsize=4)
+    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": shared})), codec)
+    keys = [f"p{i}" for i in range(40)]
+    tr.device_to_host(list(range(40)), list(range(40)))
+    tr.store(keys, list(range(40)), counters())
+    return host, codec, tr, keys
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_then_fetch_in_batches_is_bit_exact(layout, dtype):
@@ -102,16 +116,7 @@ def test_prefetch_worker_acks_and_wakes_waiters():
 def test_pipelined_prefetch_counts_the_leading_run_only():
     """40 pages read as sub-batches on reader threads; a page missing in the second sub-batch
     stops the count there, whatever order the readers finished in."""
-    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
-    dev.kv.copy_(torch.randn(dev.kv.shape))
-    host = HostKVPool.like(dev, 96, layout="page_first")
-    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
-                      layout="page_first", tokens_per_page=2, itemsize=4)
-    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-pipe"})),
-                        codec)
-    keys = [f"p{i}" for i in range(40)]
-    tr.device_to_host(list(range(40)), list(range(40)))
-    tr.store(keys, list(range(40)), counters())
+    host, codec, tr, keys = forty_stored_pages("l3-pipe")
     ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=4)
     try:
         full = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
@@ -138,16 +143,7 @@ def test_readers_start_with_the_controller_and_a_prefetch_starts_no_thread():
 
     from hicache.controller import MIN_READ_PAGES
 
-    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
-    dev.kv.copy_(torch.randn(dev.kv.shape))
-    host = HostKVPool.like(dev, 96, layout="page_first")
-    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
-                      layout="page_first", tokens_per_page=2, itemsize=4)
-    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-warm"})),
-                        codec)
-    keys = [f"w{i}" for i in range(40)]
-    tr.device_to_host(list(range(40)), list(range(40)))
-    tr.store(keys, list(range(40)), counters())
+    host, codec, tr, keys = forty_stored_pages("l3-warm")
     ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=3)
     try:
         readers = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
