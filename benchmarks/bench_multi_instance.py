@@ -254,29 +254,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="pressure: per-engine memory well below the working set (default); "
                         "small: the earlier configuration, where it is not")
     p.add_argument("--quick", action="store_true", help="small model and workload")
-    p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--users", type=int, default=None)
-    p.add_argument("--turns", type=int, default=None)
-    p.add_argument("--concurrency", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=None)
-    p.add_argument("--user-tokens", type=int, default=None)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--engines", type=int, default=3, help="engines behind the gateway")
+    p.add_argument("--users", type=int, default=None,
+                   help="conversations (default: the workload's)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation (default: the workload's)")
+    p.add_argument("--concurrency", type=int, default=3,
+                   help="conversations in flight at once")
+    p.add_argument("--system-tokens", type=int, default=None,
+                   help="tokens of the system prompt all users share")
+    p.add_argument("--user-tokens", type=int, default=None,
+                   help="new prompt tokens per turn")
+    p.add_argument("--output-tokens", type=int, default=16,
+                   help="tokens generated per turn (they join the history)")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size")
+    p.add_argument("--layers", type=int, default=None, help="model layers")
+    p.add_argument("--vocab", type=int, default=8192, help="model vocabulary size")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
     p.add_argument("--device-tokens", type=int, default=None, help="device KV pool per engine")
-    p.add_argument("--host-ratio", type=float, default=None)
+    p.add_argument("--host-ratio", type=float, default=None,
+                   help="host pool size / device pool size (--hicache-ratio)")
     p.add_argument("--prefetch", default="wait_complete",
                    help="--hicache-storage-prefetch-policy of the engines on L3")
     p.add_argument("--prefetch-threshold", type=int, default=None,
                    help="L3 prefetch threshold in tokens for the configs that do not set one "
                         "(default: unset, the engine's: 256 floor, shorter gaps by cost model)")
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads per engine")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma-separated, from {', '.join(CONFIGS)}")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output (default benchmarks/results/bench_multi_instance*.json)")
     a = p.parse_args(argv)
     for k, v in WORKLOADS[a.workload][1 if a.quick else 0].items():
         if getattr(a, k) is None:
