@@ -30,9 +30,11 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}
 mkdir -p "$OUT"
 export OUT PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false
+# Unbuffered: a step killed at its time limit still leaves what it printed in its log.
+export PYTHONUNBUFFERED=1
 START=$(date +%s)
 STATUS=0
-BUDGET=${GPU_CHECK_BUDGET_S:-450}  # the whole check stays under 8 minutes
+BUDGET=${GPU_CHECK_BUDGET_S:-480}  # the whole check stays under 8 minutes
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   local t0; t0=$(date +%s)
@@ -68,10 +70,10 @@ for f in tests/engine/test_attention_*.py tests/engine/test_models.py; do
 done
 if [ "${GPU_CHECK_STANDIN:-0}" != 1 ] && "$PY" -c "import pytest" 2>/dev/null; then
   # shellcheck disable=SC2086
-  step gpu_tests 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" $GPU_TESTS
+  step gpu_tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" $GPU_TESTS
 else
   # shellcheck disable=SC2086
-  step gpu_tests 120 "$PY" - $GPU_TESTS <<'PYEOF'
+  step gpu_tests 180 "$PY" - $GPU_TESTS <<'PYEOF'
 """Run the tests of the given files marked $GPU_CHECK_MARK (default `gpu`) without pytest: a
 minimal stand-in for what those tests use (marks, parametrize and pytest.param, skip/skipif,
 importorskip, raises, approx, fail; fixtures of the test module and of every conftest.py above
