@@ -156,6 +156,40 @@ def test_auto_is_torch_on_cpu() -> None:
     assert make_attention_backend("auto", pool, 1, 8, 1.0).name == "torch"
 
 
+def test_auto_takes_triton_only_after_its_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` on a device where it would take triton (forced here: CPU says torch) runs the
+    kernels once against torch: a kernel that fails or computes wrong falls back to torch."""
+    import engine.attention as attention
+    from engine.attention import triton_kernels
+    from engine.attention.triton_backend import triton_self_check
+
+    pool = DeviceKVPool(num_pages=4, page_size=16, num_layers=1, kv_heads=2, head_dim=HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    assert triton_self_check(pool, 4, HEAD_DIM, scale) is None
+    monkeypatch.setattr(attention, "resolve_attention_backend", lambda name, dev: "triton")
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "triton"
+    assert make_attention_backend("triton", pool, 4, HEAD_DIM, scale).name == "triton"
+    real = triton_kernels.decode_attention
+
+    def wrong(*args: object, **kw: object) -> None:
+        real(*args, **kw)
+        args[9].mul_(2.0)  # type: ignore[attr-defined]  # the output
+
+    monkeypatch.setattr(triton_kernels, "decode_attention", wrong)
+    err = triton_self_check(pool, 4, HEAD_DIM, scale)
+    assert err is not None and err.startswith("decode output differs from the torch backend")
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "torch"
+
+    def fails(*args: object, **kw: object) -> None:
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(triton_kernels, "extend_attention", fails)
+    assert triton_self_check(pool, 4, HEAD_DIM, scale) == "RuntimeError: no kernel image"
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "torch"
+    # Asked for by name, triton is taken as is (its errors surface).
+    assert make_attention_backend("triton", pool, 4, HEAD_DIM, scale).name == "triton"
+
+
 def test_engine_greedy_equal_to_torch_backend(tmp_path: Path) -> None:
     """The demo model end to end (radix cache on: later prompts extend cached prefixes; several
     prompts prefilled in one batch, then batched decode): token for token equal."""
