@@ -137,11 +137,8 @@ class CudaGraphRunner:
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # Captured on the warm-up stream (as SGLang and vLLM do): per-stream state set up by
-            # the warm-up (the cuBLAS workspace) is the one the capture uses. `thread_local`:
-            # CUDA calls of other threads (HiCache's transfer workers of another engine in the
-            # process) neither fail nor invalidate this capture.
-            with torch.cuda.graph(graph, pool=pool, stream=stream,
-                                  capture_error_mode="thread_local"):
+            # the warm-up (the cuBLAS workspace) is the one the capture uses.
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bs] = self.model(batch, self.attn)
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
