@@ -69,8 +69,8 @@ class TritonAttentionBackend(AttentionBackend):
         # Split-K of decode: enough programs to fill a GPU at small batch sizes.
         self.num_splits = num_splits or (8 if cuda else 2)
         # Extend tiles; small under the interpreter so the tests cross tile borders, and for
-        # float32 heads over 64 on CUDA (64-row float32 K and V tiles of 128 wide heads, three
-        # pipeline stages deep, would not fit in an SM's shared memory).
+        # float32 heads over 64 on CUDA (64-row float32 K and V tiles of 128-wide heads, three
+        # pipeline stages deep, come close to an SM's shared memory; unmeasured).
         wide_fp32 = pool.dtype == torch.float32 and head_dim > 64
         self.block = 64 if cuda and not wide_fp32 else 32
 

@@ -105,11 +105,13 @@ def test_matches_torch_backend(page_size: int, heads: int, kv_heads: int, shape:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 128)])
+@pytest.mark.parametrize(("dtype", "head_dim"),
+                         [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 128)])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_gpu_matches_torch_backend(dtype: torch.dtype, head_dim: int, shape: str) -> None:
     """Compiled kernels on the GPU, at real head sizes, in float32 and bfloat16 (GQA 4:1,
-    page 16: decode split over several splits, extend tiles of 64 crossed)."""
+    page 16: decode split over several splits, extend tiles crossed; float32 128-wide heads
+    take 32-row tiles)."""
     reqs = [(q * 3, p * 5) for q, p in SHAPES[shape]]  # longer: several tiles and splits
     reqs = [(1, p) if q == 3 else (q, p) for q, p in reqs]  # decode rows stay decode rows
     pools = _pools(16, 2, head_dim=head_dim, dtype=dtype, num_pages=64)
