@@ -136,6 +136,16 @@ class CostModel:
             return 0.0
         return None if not speed else tokens / speed
 
+    def load_saving(self, tier: str, tokens: int) -> float | None:
+        """Estimated seconds that loading `tokens` from `tier` saves over recomputing them
+        (negative: recomputing is faster). None while the prefill speed is unmeasured. A load
+        path not measured yet counts as free, as in `plan` (until measured, loading is the
+        default, and the first load measures it)."""
+        comp = self.recompute_seconds(tokens)
+        if comp is None:
+            return None
+        return comp - (self.load_seconds(tier, tokens) or 0.0)
+
     def _worth(self, tier: str, tokens: int) -> tuple[bool, float, float]:
         if tokens <= 0:
             return True, 0.0, 0.0
