@@ -115,21 +115,21 @@ def test_gpu_matches_torch_backend(dtype: torch.dtype, head_dim: int, shape: str
     reqs = [(q * 3, p * 5) for q, p in SHAPES[shape]]  # longer: several tiles and splits
     reqs = [(1, p) if q == 3 else (q, p) for q, p in reqs]  # decode rows stay decode rows
     pools = _pools(16, 2, head_dim=head_dim, dtype=dtype, num_pages=64)
-    check_against_torch(pools, 8, reqs, seed=3, atol=1e-4 if dtype == torch.float32 else 4e-2)
+    check_against_torch(pools, 8, reqs, seed=3, atol=1e-4 if dtype == torch.float32 else 6e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_gpu_offsets_past_two_to_the_31() -> None:
     """Slots whose element offset in a layer's K buffer is past 2**31 (int32 would wrap): a
-    2.3 M-slot bf16 pool (4.6 GiB per K or V), the requests on its last pages."""
+    2.36 M-slot bf16 pool (4.5 GiB per K or V), the requests on its last pages."""
     ps, hkv, hd = 64, 8, 128  # 1024 elements per slot: offset 2**31 is slot 2**21
     num_pages = (2**21 + 2**18) // ps
     pools = _pools(ps, hkv, head_dim=hd, dtype=torch.bfloat16, num_pages=num_pages,
                    num_layers=1)
     first = 2**21 // ps + 8
     for reqs in ([(1, 300), (1, 5), (1, 64)], [(70, 100), (1, 5)]):  # decode, then extend
-        check_against_torch(pools, 16, reqs, seed=1, atol=4e-2, first_page=first)
+        check_against_torch(pools, 16, reqs, seed=1, atol=6e-2, first_page=first)
 
 
 def test_store_skips_negative_slots() -> None:
