@@ -70,7 +70,10 @@ for f in tests/engine/test_attention_*.py tests/engine/test_models.py; do
 done
 if [ "${GPU_CHECK_STANDIN:-0}" != 1 ] && "$PY" -c "import pytest" 2>/dev/null; then
   # shellcheck disable=SC2086
-  step gpu_tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" $GPU_TESTS
+  # -v: each test's name as it ends (a step cut at its limit shows where); -rfE: the failures
+  # again at the end, within the log tail printed here; the ten slowest, to size the next run.
+  step gpu_tests 180 "$PY" -m pytest -m gpu -v -rfE --durations=10 -p no:cacheprovider \
+    -o addopts="" $GPU_TESTS
 else
   # shellcheck disable=SC2086
   step gpu_tests 180 "$PY" - $GPU_TESTS <<'PYEOF'
