@@ -6,18 +6,35 @@ HTTP `/generate` (streamed: TTFT is measured by the client, through the gateway)
 
   single      one engine serving the whole workload (L1+L2+L3 on its own store): the reference
   rr          N engines behind `smg --policy round_robin`, L1+L2 only
-  rr_l3       the same, all engines on one shared `hicache-server`
-  rr_l3_t64   rr_l3 with the L3 prefetch threshold at 64 tokens instead of 256: a turn's missing
-              history is often shorter than 256 tokens, and below the threshold it is computed
+  rr_l3       the same, all engines on one shared `hicache-server` (default prefetch threshold:
+              256-token floor, shorter gaps admitted by the cost model)
+  rr_l3_t256  rr_l3 with `prefetch_threshold` set to 256 explicitly (a hard floor: SGLang's
+              default, and this project's behaviour before the cost model admitted short gaps)
+  rr_l3_t64   rr_l3 with `prefetch_threshold` 64 (a hard floor)
   ca          N engines behind `smg --policy cache_aware`, L1+L2 only
   ca_l3       the same with the shared `hicache-server`
+
+Two workloads (`--workload`):
+
+  pressure    (default) 20 users, 6 turns, a 3,072-token device pool and 1.5x that in host
+              memory per engine: each engine holds far less than the cluster's working set
+              (write-through keeps a host copy of every device page, so an engine holds about
+              4.6k distinct tokens against up to ~11k of histories), so the engine a user comes
+              back to has evicted that user's history, as in production; without L3 round robin
+              recomputes it. 20 users over 3 engines: a user's next turn lands on another
+              engine. Host is larger than device on purpose: an L3 prefetch needs free host
+              pages, and host eviction only drops pages that are off the device, so with
+              host == device every prefetch is skipped for want of host room.
+  small       the earlier configuration: 9 users, 6 turns, 8,192-token device pools (x2 host):
+              every engine holds almost the whole working set, so round robin without L3
+              recomputes only the 240 tokens a user is behind on the engine it returns to.
 
 Every configuration starts fresh processes (engines, store, gateway) on loopback ports. Per
 configuration: token hit rate per tier (summed over the engines' `/hicache/stats`), TTFT
 p50/p90, requests per engine; then ratios side by side. JSON into
-benchmarks/results/bench_multi_instance[_quick].json.
+benchmarks/results/bench_multi_instance[_small][_quick].json.
 
-    python benchmarks/bench_multi_instance.py [--quick] [--engines 3] [--users 12] [--turns 4]
+    python benchmarks/bench_multi_instance.py [--workload pressure|small] [--quick] [--engines 3]
 
 Run it inside the loopback-only namespace like the tests: `scripts/in_netns.sh python ...`.
 """
@@ -52,10 +69,28 @@ TARGETS = {
     # TTFT p50 with the shared L3 / the same cluster without it: at most this much
     "rr_l3_p50_vs_rr": ("<=", 0.5),
 }
+DEFAULT_CONFIGS = "single,rr,rr_l3,rr_l3_t256"
+# Per workload: (full, --quick) settings; anything given on the command line wins.
+WORKLOADS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "pressure": (
+        {"users": 20, "turns": 6, "system_tokens": 512, "user_tokens": 64, "hidden": 512,
+         "layers": 4, "device_tokens": 3072, "host_ratio": 1.5},
+        {"users": 14, "turns": 4, "system_tokens": 256, "user_tokens": 64, "hidden": 512,
+         "layers": 2, "device_tokens": 2048, "host_ratio": 1.5},
+    ),
+    "small": (
+        {"users": 9, "turns": 6, "system_tokens": 512, "user_tokens": 64, "hidden": 512,
+         "layers": 4, "device_tokens": 8192, "host_ratio": 2.0},
+        {"users": 6, "turns": 4, "system_tokens": 256, "user_tokens": 64, "hidden": 512,
+         "layers": 2, "device_tokens": 8192, "host_ratio": 2.0},
+    ),
+}
 CONFIGS = {
     "single": {"engines": 1, "policy": None, "l3": True},
     "rr": {"engines": None, "policy": "round_robin", "l3": False},
     "rr_l3": {"engines": None, "policy": "round_robin", "l3": True},
+    "rr_l3_t256": {"engines": None, "policy": "round_robin", "l3": True,
+                   "prefetch_threshold": 256},
     "rr_l3_t64": {"engines": None, "policy": "round_robin", "l3": True, "prefetch_threshold": 64},
     "ca": {"engines": None, "policy": "cache_aware", "l3": False},
     "ca_l3": {"engines": None, "policy": "cache_aware", "l3": True},
@@ -196,6 +231,10 @@ def run_config(name: str, spec: dict[str, Any], tmp: Path, model: Path, system: 
                                     for t, h in hits.items()}
         res["requests_per_engine"] = [int(s["scheduler"]["finished"]) for s in stats]
         res["storage_pages_written"] = sum(int(s["storage_backup_pages"]) for s in stats)
+        # How the L3 prefetches went (summed over the engines)
+        res["prefetch"] = {k: sum(int(s.get(f"prefetch_{k}", 0)) for s in stats)
+                           for k in ("started", "skipped", "pages", "revoked_pages")}
+        res["cost_model"] = [s.get("cost_model") for s in stats]  # each engine's measurements
         res["engines"] = n
         res["policy"] = spec["policy"]
         res["shared_l3"] = spec["l3"]
@@ -211,43 +250,58 @@ def run_config(name: str, spec: dict[str, Any], tmp: Path, model: Path, system: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure",
+                   help="pressure: per-engine memory well below the working set (default); "
+                        "small: the earlier configuration, where it is not")
     p.add_argument("--quick", action="store_true", help="small model and workload")
-    p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--users", type=int, default=9)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--concurrency", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--user-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--device-tokens", type=int, default=8192, help="device KV pool per engine")
-    p.add_argument("--host-ratio", type=float, default=2.0)
+    p.add_argument("--engines", type=int, default=3, help="engines behind the gateway")
+    p.add_argument("--users", type=int, default=None,
+                   help="conversations (default: the workload's)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation (default: the workload's)")
+    p.add_argument("--concurrency", type=int, default=3,
+                   help="conversations in flight at once")
+    p.add_argument("--system-tokens", type=int, default=None,
+                   help="tokens of the system prompt all users share")
+    p.add_argument("--user-tokens", type=int, default=None,
+                   help="new prompt tokens per turn")
+    p.add_argument("--output-tokens", type=int, default=16,
+                   help="tokens generated per turn (they join the history)")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size")
+    p.add_argument("--layers", type=int, default=None, help="model layers")
+    p.add_argument("--vocab", type=int, default=8192, help="model vocabulary size")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
+    p.add_argument("--device-tokens", type=int, default=None, help="device KV pool per engine")
+    p.add_argument("--host-ratio", type=float, default=None,
+                   help="host pool size / device pool size (--hicache-ratio)")
     p.add_argument("--prefetch", default="wait_complete",
                    help="--hicache-storage-prefetch-policy of the engines on L3")
     p.add_argument("--prefetch-threshold", type=int, default=None,
-                   help="L3 prefetch threshold in tokens (default: the engine's, 256)")
+                   help="L3 prefetch threshold in tokens for the configs that do not set one "
+                        "(default: unset, the engine's: 256 floor, shorter gaps by cost model)")
     p.add_argument("--engine-threads", type=int, default=1, help="OMP threads per engine")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output (default benchmarks/results/bench_multi_instance*.json)")
     a = p.parse_args(argv)
-    if a.quick:
-        a.users, a.turns, a.system_tokens, a.user_tokens = 6, 4, 256, 64
-        a.hidden, a.layers = 512, 2
+    for k, v in WORKLOADS[a.workload][1 if a.quick else 0].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     if a.out is None:
-        name = "bench_multi_instance_quick.json" if a.quick else "bench_multi_instance.json"
+        name = "bench_multi_instance" + ("_small" if a.workload == "small" else "") \
+            + ("_quick" if a.quick else "") + ".json"
         a.out = ROOT / "benchmarks" / "results" / name
     tmp = Path(tempfile.mkdtemp(prefix="bench-multi-instance-"))
     try:
         model = make_checkpoint(tmp / "model", a.hidden, a.layers, a.vocab)
         system, users = make_workload(a)
         results: dict[str, Any] = {}
+        load_before = os.getloadavg()
         for name in a.configs.split(","):
             r = results[name] = run_config(name, CONFIGS[name], tmp, model, system, users, a)
-            print(f"{name:9s} ttft p50 {r['ttft_p50_s']:.3f}s p90 {r['ttft_p90_s']:.3f}s "
+            print(f"{name:10s} ttft p50 {r['ttft_p50_s']:.3f}s p90 {r['ttft_p90_s']:.3f}s "
                   f"hit rate {r['hit_rate']:.3f} {r['hit_rate_per_tier']} "
                   f"per engine {r['requests_per_engine']} by turn {r['ttft_p50_by_turn_s']}",
                   flush=True)
@@ -269,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "bench_multi_instance",
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        # 1-minute load average at the start and at the end of the run
+                        "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
             "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
             "results": results,
             "ratios": ratios,

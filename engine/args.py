@@ -68,7 +68,7 @@ class EngineArgs:
     dtype: str = "auto"
     # Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N.
     device: str = "auto"
-    # Attention kernels: auto (triton on CUDA, else torch), torch (SDPA), triton (paged, GPU).
+    # Attention kernels: auto (triton on CUDA once it matches torch in a start-up self-check, else torch), torch (SDPA), triton (paged, GPU).
     attention_backend: str = "auto"
     # Do not capture the decode step in CUDA graphs (CUDA + triton backend only).
     disable_cuda_graph: bool = False

@@ -136,7 +136,9 @@ class CudaGraphRunner:
                     self.model(batch, self.attn)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # Captured on the warm-up stream (as SGLang and vLLM do): per-stream state set up by
+            # the warm-up (the cuBLAS workspace) is the one the capture uses.
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bs] = self.model(batch, self.attn)
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)

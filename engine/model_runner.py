@@ -59,14 +59,19 @@ class ModelRunner:
             self.attn.name,
         )
         self.graph_runner = None
+        self.cuda_graph_error: str | None = None  # why the capture failed (decode runs eagerly)
         if cuda_graph_max_bs > 0 and device.type == "cuda" and self.attn.supports_cuda_graph:
             from engine.cuda_graph import CudaGraphRunner
 
             ctx = context_length or cfg.max_position_embeddings
-            self.graph_runner = CudaGraphRunner(
-                model, self.attn, max_bs=cuda_graph_max_bs,
-                max_pages=min(-(-ctx // page_size), num_pages), device=device,
-            )
+            try:
+                self.graph_runner = CudaGraphRunner(
+                    model, self.attn, max_bs=cuda_graph_max_bs,
+                    max_pages=min(-(-ctx // page_size), num_pages), device=device,
+                )
+            except Exception as e:  # eager decode is the same computation, only slower
+                self.cuda_graph_error = f"{type(e).__name__}: {e}"
+                logger.exception("CUDA graph capture failed; decode steps run eagerly")
 
     def forward(
         self,

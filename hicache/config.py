@@ -18,6 +18,8 @@ HOST_MEMORY_MODES = ("full", "buffer_only")
 # We default to 32 tokens a page: one record per page keeps per-key overhead (a file, a Redis key,
 # a network round trip) amortised, while prefixes are still matched at a fine granularity.
 DEFAULT_PAGE_SIZE = 32
+# SGLang's prefetch_threshold (tokens): the floor of a storage prefetch when none is configured.
+DEFAULT_PREFETCH_THRESHOLD = 256
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,11 @@ class HiCacheConfig:
     # timeout (the default): wait at most the budget below. With best_effort a request reaching
     # an idle engine is admitted before its prefetch has read anything.
     prefetch_policy: str = "timeout"
-    # A storage prefetch shorter than this many tokens is not started.
-    prefetch_threshold: int = 256
+    # A storage prefetch shorter than this many tokens is not started (a hard floor). None (the
+    # default): the floor is DEFAULT_PREFETCH_THRESHOLD (256, SGLang's), and a shorter gap is
+    # prefetched too when the cost model's measurements say loading it saves enough time over
+    # recomputing it (`hicache.prefetch.PREFETCH_MIN_SAVING_S`).
+    prefetch_threshold: int | None = None
     # Pending prefetches hold at most this share of the host pool (SGLang: about half).
     prefetch_max_host_share: float = 0.5
     # timeout policy: wait at most base + per_ki_token * (tokens / 1024) seconds.
@@ -101,7 +106,10 @@ class HiCacheConfig:
             f"unknown prefetch_policy {self.prefetch_policy!r}; "
             f"known: {', '.join(PREFETCH_POLICIES)}",
         )
-        check(self.prefetch_threshold >= 0, "prefetch_threshold must be >= 0")
+        check(
+            self.prefetch_threshold is None or self.prefetch_threshold >= 0,
+            "prefetch_threshold must be >= 0",
+        )
         check(
             0 < self.prefetch_max_host_share <= 1,
             f"prefetch_max_host_share must be in (0, 1], got {self.prefetch_max_host_share}",

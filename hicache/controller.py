@@ -200,6 +200,26 @@ class TransferController:
                 self._queues[name] = q
                 self._threads.append(t)
                 t.start()
+            if has_storage:
+                self._start_readers()
+
+    def _start_readers(self) -> None:
+        """Start the prefetch readers now, each with its staging buffer allocated and touched,
+        so that a restarted engine's first L3 hit does not pay for thread starts and fresh
+        memory (page faults) inside its time to first token."""
+        warm = getattr(self.data, "warm_staging", None)
+        if warm is None or self.readers <= 1:
+            return
+        self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
+        # The barrier holds every task until all have started: one thread each.
+        gate = threading.Barrier(self.readers)
+
+        def start() -> None:
+            gate.wait(timeout=30)
+            warm(MIN_READ_PAGES)
+
+        for f in [self._reader_pool.submit(start) for _ in range(self.readers)]:
+            f.result()
 
     # -- health -------------------------------------------------------------------------------
 

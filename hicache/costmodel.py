@@ -16,6 +16,8 @@ behaviour).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TIERS = ("host", "storage")
@@ -61,12 +63,18 @@ class CostModel:
         storage_latency_s: float = 0.0,
         margin: float = 1.0,
         min_saving_s: float = 0.1,
+        remeasure_s: float | None = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`margin` > 1 favours loading (load while load_s < margin * recompute_s).
         `min_saving_s`: a load is replaced by recomputation only when that is estimated to save
         at least this many seconds. NOTE: below it the estimates are within the noise of the
         measurements they come from, and a plan that flips between runs would make the tiers'
-        hit counts depend on timing for no gain worth having."""
+        hit counts depend on timing for no gain worth having.
+        `remeasure_s`: a tier judged not worth loading is never loaded, so never measured again;
+        once this long has passed without a measurement of it, one plan loads it anyway (and so
+        re-measures it), so that a backend that was slow for a while and recovered is used again.
+        None: never. The price is at most one slower-than-recomputing load per tier per period."""
         if bytes_per_token < 1:
             raise ValueError("bytes_per_token must be >= 1")
         self.bytes_per_token = bytes_per_token
@@ -78,6 +86,12 @@ class CostModel:
             "storage": Ewma(alpha, storage_bytes_per_s),
         }
         self.latency = {"host": Ewma(alpha, host_latency_s), "storage": Ewma(alpha, storage_latency_s)}
+        self.remeasure_s = remeasure_s
+        self._clock = clock
+        # When each tier was last measured (or let through to be): priors count as measured.
+        now = clock()
+        self._measured_at = {t: now for t in TIERS}
+        self.remeasures = 0  # plans that loaded a tier only to measure it again
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -93,6 +107,7 @@ class CostModel:
             raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
         if nbytes > 0 and seconds > 0:
             self.bandwidth[tier].update(nbytes / seconds)
+            self._measured_at[tier] = self._clock()
 
     def observe_latency(self, tier: str, seconds: float) -> None:
         self.latency[tier].update(max(0.0, seconds))
@@ -121,6 +136,16 @@ class CostModel:
             return 0.0
         return None if not speed else tokens / speed
 
+    def load_saving(self, tier: str, tokens: int) -> float | None:
+        """Estimated seconds that loading `tokens` from `tier` saves over recomputing them
+        (negative: recomputing is faster). None while the prefill speed is unmeasured. A load
+        path not measured yet counts as free, as in `plan` (until measured, loading is the
+        default, and the first load measures it)."""
+        comp = self.recompute_seconds(tokens)
+        if comp is None:
+            return None
+        return comp - (self.load_seconds(tier, tokens) or 0.0)
+
     def _worth(self, tier: str, tokens: int) -> tuple[bool, float, float]:
         if tokens <= 0:
             return True, 0.0, 0.0
@@ -129,7 +154,20 @@ class CostModel:
         if load is None or comp is None:
             return True, load or 0.0, comp or 0.0  # unmeasured: load (the cache's default)
         worth = load < self.margin * comp or load - comp < self.min_saving_s
+        if not worth and self._due_for_measurement(tier):
+            worth = True
         return worth, load, comp
+
+    def _due_for_measurement(self, tier: str) -> bool:
+        """True once per `remeasure_s` without a measurement of `tier` (see `__init__`)."""
+        if self.remeasure_s is None:
+            return False
+        now = self._clock()
+        if now - self._measured_at[tier] < self.remeasure_s:
+            return False
+        self._measured_at[tier] = now  # one load per period, even before its measurement lands
+        self.remeasures += 1
+        return True
 
     def plan(self, host_tokens: int, storage_tokens: int, page_size: int = 1) -> LoadPlan:
         """How many of the `host_tokens` then `storage_tokens` cached tokens to load."""

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from hicache.config import DEFAULT_PREFETCH_THRESHOLD
 from hicache.controller import PrefetchOp
 from hicache.keys import page_keys
 from hicache.radix import Tokens, common_pages
@@ -34,6 +35,15 @@ if TYPE_CHECKING:
     from hicache.radix import TreeNode
 
 logger = logging.getLogger(__name__)
+
+# With `prefetch_threshold` left unset, a gap shorter than DEFAULT_PREFETCH_THRESHOLD tokens is
+# prefetched when the cost model expects loading it to save at least this many seconds over
+# recomputing it. NOTE: every prefetch first asks L3 which pages it has, and the request waits for
+# that answer (timeout and wait_complete policies) even when L3 has nothing: one round trip, 2-5 ms
+# on loopback on the 2-core development machine. 50 ms keeps such a wasted probe under a tenth of
+# the time a hit would save. Where prefill is fast (a GPU), 50 ms is far more than 256 tokens, so
+# the floor of 256 decides, as in SGLang.
+PREFETCH_MIN_SAVING_S = 0.05
 
 
 def is_probe(op: PrefetchOp) -> bool:
@@ -52,8 +62,8 @@ class Prefetcher:
 
     def start(self, rid: str, t: Tokens, extra_key: str | None) -> int:
         """Probe L3 for the pages of `t` beyond what the tree holds. Returns the tokens asked
-        (0: not started: no L3 or L3 backing off, below `prefetch_threshold`, or the host share
-        is used up)."""
+        (0: not started: no L3 or L3 backing off, too short (`worth_prefetching`), or the host
+        share is used up)."""
         c = self.c
         ps = c.page_size
         cfg = c.config
@@ -62,7 +72,7 @@ class Prefetcher:
         nodes = c.tree.match_split(t, extra_key)
         matched = sum(x.num_pages for x in nodes)
         n = min(len(t) // ps - matched, self._allowance())
-        if n <= 0 or n * ps < cfg.prefetch_threshold or not c.controller.storage_available():
+        if not self.worth_prefetching(n * ps) or not c.controller.storage_available():
             c.counters.prefetch_skipped += 1
             return 0
         anchor = nodes[-1] if nodes else c.tree.root(extra_key)
@@ -86,6 +96,22 @@ class Prefetcher:
         self.pending[rid] = op
         c.controller.submit_prefetch(op)
         return n * ps
+
+    def worth_prefetching(self, tokens: int) -> bool:
+        """Whether a gap of `tokens` uncached tokens is worth asking L3 for. An explicit
+        `prefetch_threshold` is a hard floor. Unset: at least DEFAULT_PREFETCH_THRESHOLD (256)
+        tokens, or fewer when the cost model (measured prefill speed against measured host and L3
+        bandwidth) expects loading them to save at least PREFETCH_MIN_SAVING_S seconds."""
+        if tokens <= 0:
+            return False
+        floor = self.c.config.prefetch_threshold
+        if floor is not None:
+            return tokens >= floor
+        if tokens >= DEFAULT_PREFETCH_THRESHOLD:
+            return True
+        cost = self.c.controller.cost
+        saving = None if cost is None else cost.load_saving("storage", tokens)
+        return saving is not None and saving >= PREFETCH_MIN_SAVING_S
 
     def _allowance(self) -> int:
         share = self.c.config.prefetch_max_host_share
@@ -114,7 +140,7 @@ class Prefetcher:
         n = min(probe.completed, self._allowance())
         if n > 0:  # fetch only what is cheaper to load than to recompute (cost model)
             n = c.controller.plan_load(0, n * ps, ps).storage_tokens // ps
-        host = c.alloc_host(n) if n > 0 and n * ps >= c.config.prefetch_threshold else None
+        host = c.alloc_host(n) if self.worth_prefetching(n * ps) else None
         if host is None:  # nothing in L3 (or too little), or no host room
             c.counters.prefetch_skipped += 1
             del self.pending[probe.request_id]

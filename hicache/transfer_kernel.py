@@ -37,9 +37,11 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # Triton's interpreter keeps the launch grid in one process-wide object: two threads launching
-# at once (the controller's write and load workers) corrupt each other's grid. Interpreted
-# launches are serialized; compiled (CUDA) launches are not.
-_INTERPRETER_LOCK = threading.Lock()
+# at once (the controller's write and load workers) corrupt each other's grid. Compiled (CUDA)
+# launches are serialized too: the first launch of a specialization compiles and loads the
+# kernel, and Triton's JIT caches are not made for two threads doing that at once; a launch
+# only enqueues, so the lock is held for microseconds.
+_LAUNCH_LOCK = threading.Lock()
 
 
 def interpreted() -> bool:
@@ -144,8 +146,5 @@ def copy_pages(
     block_t = max(1, min(triton.next_power_of_2(ps), 4096 // block_r))
     grid = (n, 2 * count)
     args: list[Any] = [src, dst, sp, dp, lo, count, L, *ss, *ds]
-    if interpreted():
-        with _INTERPRETER_LOCK:
-            _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)
-    else:
+    with _LAUNCH_LOCK:
         _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)

@@ -52,17 +52,28 @@ class TensorTransfer:
         return self._mover
 
     def _staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
-        """`n` record buffers of this thread: as a `[n, record_bytes]` uint8 tensor and views."""
+        """`n` record buffers of this thread: as a `[n, record_bytes]` uint8 tensor and views.
+        The buffer is kept and only ever grows (to the largest batch this thread has read)."""
         assert self.codec is not None
         size = self.codec.record_bytes
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n * size:
-            buf = bytearray(n * size)
-            self._local.buf = buf
-            self._local.tensor = torch.frombuffer(buf, dtype=torch.uint8)
-        mv = memoryview(buf)
-        t = self._local.tensor[: n * size].view(n, size)
-        return t, [mv[i * size : (i + 1) * size] for i in range(n)]
+        t: torch.Tensor | None = getattr(self._local, "tensor", None)
+        if t is None or t.numel() < n * size:
+            t = self.warm_staging(n)
+        mv = self._local.view
+        return t[: n * size].view(n, size), [mv[i * size : (i + 1) * size] for i in range(n)]
+
+    def warm_staging(self, n: int) -> torch.Tensor:
+        """Allocate this thread's staging buffer for at least `n` records and touch every page
+        of it (a fresh buffer faults on first use); return it as a flat uint8 tensor."""
+        assert self.codec is not None
+        t: torch.Tensor | None = getattr(self._local, "tensor", None)
+        need = n * self.codec.record_bytes
+        if t is None or t.numel() < need:
+            t = torch.empty(need, dtype=torch.uint8)
+            t.zero_()  # fault it in now, not under a request's read
+            self._local.tensor = t
+            self._local.view = t.numpy().data  # a flat uint8 memoryview over the tensor
+        return t
 
     def _header_template(self) -> tuple[np.ndarray, np.ndarray]:
         """The header bytes every record of this cache has, and the mask of the fixed ones

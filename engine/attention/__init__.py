@@ -1,15 +1,20 @@
 """Attention backends by name: `torch` (SDPA, CPU and GPU) and `triton` (paged kernels, GPU).
 
-`auto` is `triton` on CUDA when triton imports, else `torch`. There is no `flashinfer` backend:
+`auto` is `triton` on CUDA when triton imports and the backend passes a self-check against
+`torch` on that device, else `torch`. There is no `flashinfer` backend:
 it could not be installed or tested on any machine of the project (see docs/engine.md).
 """
 
 from __future__ import annotations
 
+import logging
+
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.attention.torch_backend import TorchAttentionBackend
 from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -30,7 +35,18 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
 def make_attention_backend(
     name: str, pool: DeviceKVPool, num_heads: int, head_dim: int, scale: float
 ) -> AttentionBackend:
+    """`auto` takes `triton` only when it passes a self-check against `torch` on this device
+    (small pools of `pool`'s shape); else it warns and takes `torch`."""
+    requested = name
     name = resolve_attention_backend(name, pool.device.type)
+    if name == "triton" and requested == "auto":
+        from engine.attention.triton_backend import triton_self_check
+
+        err = triton_self_check(pool, num_heads, head_dim, scale)
+        if err is not None:
+            logger.warning("attention_backend auto: triton failed its self-check (%s); "
+                           "using torch", err)
+            name = "torch"
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 

@@ -68,8 +68,11 @@ class TritonAttentionBackend(AttentionBackend):
         cuda = pool.device.type == "cuda"
         # Split-K of decode: enough programs to fill a GPU at small batch sizes.
         self.num_splits = num_splits or (8 if cuda else 2)
-        # Extend tiles; small under the interpreter so the tests cross tile borders.
-        self.block = 64 if cuda else 32
+        # Extend tiles; small under the interpreter so the tests cross tile borders, and for
+        # float32 heads over 64 on CUDA (64-row float32 K and V tiles of 128-wide heads, three
+        # pipeline stages deep, come close to an SM's shared memory; unmeasured).
+        wide_fp32 = pool.dtype == torch.float32 and head_dim > 64
+        self.block = 64 if cuda and not wide_fp32 else 32
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -108,3 +111,53 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_q_len, pool.page_size, self.scale, out, self.block, self.block,
             )
         return out.reshape(q.shape[0], -1)
+
+
+def triton_self_check(
+    pool: DeviceKVPool, num_heads: int, head_dim: int, scale: float
+) -> str | None:
+    """Run the triton backend once against the torch backend on small pools shaped like `pool`
+    (its page size, KV heads, head size, dtype and device): an extend batch over a cached prefix,
+    then a decode batch. None when the outputs agree, else what went wrong (a kernel that does
+    not compile on this GPU, or wrong results)."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    ps, dev, dtype = pool.page_size, pool.device, pool.dtype
+    per = -(-40 // ps)  # pages of a 40-token request
+    try:
+        pools = [
+            DeviceKVPool(num_pages=2 * per + 1, page_size=ps, num_layers=1,
+                         kv_heads=pool.kv_heads, head_dim=head_dim, dtype=dtype, device=dev)
+            for _ in range(2)
+        ]
+        g = torch.Generator(device=dev).manual_seed(0)
+        init = torch.randn(pools[0].kv.shape, generator=g, device=dev, dtype=dtype)
+        for p in pools:
+            p.kv.copy_(init)
+        backends: list[AttentionBackend] = [
+            TorchAttentionBackend(pools[0], num_heads, head_dim, scale),
+            TritonAttentionBackend(pools[1], num_heads, head_dim, scale),
+        ]
+        tables = [list(range(1, 1 + per)), list(range(1 + per, 1 + 2 * per))]
+        steps = (
+            [([0] * 24, 16, tables[0]), ([0] * 5, 0, tables[1])],  # extend over a prefix
+            [([0], 39, tables[0]), ([0], 20, tables[1])],  # decode
+        )
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        for seqs in steps:
+            t = sum(len(s[0]) for s in seqs)
+            q = torch.randn(t, num_heads, head_dim, generator=g, device=dev, dtype=dtype)
+            k = torch.randn(t, pool.kv_heads, head_dim, generator=g, device=dev, dtype=dtype)
+            v = torch.randn(t, pool.kv_heads, head_dim, generator=g, device=dev, dtype=dtype)
+            outs = []
+            for p, b in zip(pools, backends):
+                batch = ForwardBatch.build(p, seqs)
+                b.prepare(batch)
+                outs.append(b.forward(0, q, k, v, batch).float())
+            err = (outs[0] - outs[1]).abs().max().item()
+            if not err <= tol:  # NaN fails too
+                kind = "decode" if batch.is_decode else "extend"
+                return f"{kind} output differs from the torch backend by {err:.3g}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -117,6 +117,8 @@ class SchedulerProcess:
         )
         self.backend_extra: dict[str, Any] = args.storage_extra_config() if self.backend else {}
         self.bandwidth = _Bandwidth()
+        if self.backend is not None and self.engine.caching:
+            self.warn_host_room()
         self.events: EventCollector | None = None
         self.publisher: KVEventPublisher | None = None
         kv_events = KVEventsConfig.from_any(args.kv_events_config)
@@ -128,6 +130,19 @@ class SchedulerProcess:
                 self.publisher = KVEventPublisher(kv_events)
                 self.events = EventCollector()
                 self.engine.cache.set_event_sink(self.events)
+
+    def warn_host_room(self) -> None:
+        """An L3 prefetch lands in free host pages, and host eviction drops only pages that are
+        off the device; with write-through every device page has a host copy. So a host pool no
+        larger than the device pool leaves prefetches room only while the device pool has free
+        pages (SGLang refuses such a configuration)."""
+        u = self.engine.cache.usage()
+        host, device = int(u.get("host_pages_total", 0)), int(u.get("device_pages_total", 0))
+        if host <= device:
+            logger.warning(
+                "the host pool (%d pages) is not larger than the device pool (%d pages): L3 "
+                "prefetches find host room only while the device pool has free pages; raise "
+                "--hicache-ratio above 1 or --hicache-size", host, device)
 
     def publish_events(self) -> None:
         """One batch per loop pass: the cache events of this step (or of idle acks)."""
@@ -177,6 +192,21 @@ class SchedulerProcess:
         else:
             logger.warning("ignoring unexpected message %s", type(msg).__name__)
 
+    def cost_model(self) -> dict[str, Any] | None:
+        """What the cache's load-vs-recompute model has measured (EWMAs; None: not yet), or None
+        without a cost model (no hierarchical cache)."""
+        controller = getattr(self.engine.cache, "controller", None)
+        cost = getattr(controller, "cost", None)
+        if cost is None:
+            return None
+        return {
+            "bytes_per_token": cost.bytes_per_token,
+            "prefill_tokens_per_s": cost.prefill.value,
+            "host_bytes_per_s": cost.bandwidth["host"].value,
+            "storage_bytes_per_s": cost.bandwidth["storage"].value,
+            "storage_samples": cost.bandwidth["storage"].samples,
+        }
+
     def control(self, msg: P.ControlReq) -> P.ControlResp:
         op, payload = msg.op, msg.payload
 
@@ -189,6 +219,7 @@ class SchedulerProcess:
             if op == "stats":
                 stats = e.cache_stats()
                 stats["storage_backend"] = self.backend
+                stats["cost_model"] = self.cost_model()
                 if payload.get("bandwidth"):
                     stats["bandwidth"] = self.bandwidth.drain()
                 return resp(**stats)

@@ -41,6 +41,10 @@ def test_idle_engine_backs_up_to_l3_and_another_engine_reads_it(tmp_path: Path) 
         assert 0 < sb["storage_hit_tokens"] <= (prompt_tokens - 1) // PAGE * PAGE
         assert sb["storage_hit_tokens"] % PAGE == 0
         assert sb["device_hit_tokens"] == 0 and sb["corrupt_pages"] == 0
+        # B's cost model has measured the L3 read it made (and the prefill that followed).
+        cost = sb["cost_model"]
+        assert cost["storage_samples"] >= 1 and cost["storage_bytes_per_s"] > 0
+        assert cost["prefill_tokens_per_s"] > 0 and cost["bytes_per_token"] > 0
         # A's own counters agree with the store (asked only now).
         sa = a.stats()
         assert sa["storage_backup_pages"] == full_pages and sa["storage_errors"] == 0

@@ -24,26 +24,30 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 HEAD_DIM = 32
 
 
-def _pools(page_size: int, kv_heads: int) -> tuple[DeviceKVPool, ...]:
+def _pools(page_size: int, kv_heads: int, head_dim: int = HEAD_DIM,
+           dtype: torch.dtype = torch.float32, num_pages: int | None = None,
+           num_layers: int = 2) -> tuple[DeviceKVPool, ...]:
     """Two pools with identical random contents (one per backend)."""
-    num_pages = 128 if page_size == 1 else 24
+    num_pages = num_pages or (128 if page_size == 1 else 24)
     pools = tuple(
-        DeviceKVPool(num_pages=num_pages, page_size=page_size, num_layers=2, kv_heads=kv_heads,
-                     head_dim=HEAD_DIM, device=DEV)
+        DeviceKVPool(num_pages=num_pages, page_size=page_size, num_layers=num_layers,
+                     kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=DEV)
         for _ in range(2)
     )
-    g = torch.Generator().manual_seed(5)
-    init = torch.randn(pools[0].kv.shape, generator=g)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    init = torch.randn(pools[0].kv.shape, generator=g, device=DEV, dtype=dtype)
     for p in pools:
         p.kv.copy_(init)
     return pools
 
 
-def _tables(pool: DeviceKVPool, kv_lens: list[int], seed: int) -> list[list[int]]:
-    """Page tables of shuffled (non-contiguous) pages."""
+def _tables(pool: DeviceKVPool, kv_lens: list[int], seed: int,
+            first_page: int = 0) -> list[list[int]]:
+    """Page tables of shuffled (non-contiguous) pages, ids from `first_page` on."""
     ps = pool.page_size
     need = [-(-n // ps) for n in kv_lens]
-    pages = torch.randperm(pool.num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    g = torch.Generator().manual_seed(seed)
+    pages = (torch.randperm(pool.num_pages - first_page, generator=g) + first_page).tolist()
     assert sum(need) <= len(pages)
     out, i = [], 0
     for n in need:
@@ -61,34 +65,71 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 2), (8, 1)])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_matches_torch_backend(page_size: int, heads: int, kv_heads: int, shape: str) -> None:
-    reqs = SHAPES[shape]
-    pt, pr = _pools(page_size, kv_heads)
-    scale = HEAD_DIM**-0.5
-    ref = make_attention_backend("torch", pt, heads, HEAD_DIM, scale)
-    tri = make_attention_backend("triton", pr, heads, HEAD_DIM, scale)
+def check_against_torch(pools: tuple[DeviceKVPool, ...], heads: int, reqs: list[tuple[int, int]],
+                        seed: int, atol: float, first_page: int = 0) -> None:
+    """The triton backend's output and pool writes equal the torch backend's, every layer."""
+    pt, pr = pools
+    hd, kv_heads, dtype = pt.head_dim, pt.kv_heads, pt.dtype
+    scale = hd**-0.5
+    ref = make_attention_backend("torch", pt, heads, hd, scale)
+    tri = make_attention_backend("triton", pr, heads, hd, scale)
     assert tri.name == "triton"
     kv_lens = [q + p for q, p in reqs]
-    tables = _tables(pt, kv_lens, seed=len(reqs) + page_size)
+    tables = _tables(pt, kv_lens, seed=seed, first_page=first_page)
     seqs = [([0] * q, p, t) for (q, p), t in zip(reqs, tables)]
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     t = sum(q for q, _ in reqs)
-    q = torch.randn(t, heads, HEAD_DIM, generator=g).to(DEV)
-    k = torch.randn(t, kv_heads, HEAD_DIM, generator=g).to(DEV)
-    v = torch.randn(t, kv_heads, HEAD_DIM, generator=g).to(DEV)
-    for layer in (0, 1):
+    q = torch.randn(t, heads, hd, generator=g).to(DEV, dtype)
+    k = torch.randn(t, kv_heads, hd, generator=g).to(DEV, dtype)
+    v = torch.randn(t, kv_heads, hd, generator=g).to(DEV, dtype)
+    for layer in range(pt.num_layers):
         outs = []
         for pool, backend in ((pt, ref), (pr, tri)):
             batch = ForwardBatch.build(pool, seqs)
             backend.prepare(batch)
             outs.append(backend.forward(layer, q, k, v, batch))
-        assert outs[1].shape == (t, heads * HEAD_DIM)
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+        assert outs[1].shape == (t, heads * hd) and outs[1].dtype == dtype
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
     # Both wrote the new tokens' K/V to the same slots and nothing else.
     assert torch.equal(pr.kv, pt.kv)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 2), (8, 1)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_torch_backend(page_size: int, heads: int, kv_heads: int, shape: str) -> None:
+    reqs = SHAPES[shape]
+    check_against_torch(_pools(page_size, kv_heads), heads, reqs, seed=len(reqs) + page_size,
+                        atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(("dtype", "head_dim"),
+                         [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 128)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_matches_torch_backend(dtype: torch.dtype, head_dim: int, shape: str) -> None:
+    """Compiled kernels on the GPU, at real head sizes, in float32 and bfloat16 (GQA 4:1,
+    page 16: decode split over several splits, extend tiles crossed; float32 128-wide heads
+    take 32-row tiles)."""
+    reqs = [(q * 3, p * 5) for q, p in SHAPES[shape]]  # longer: several tiles and splits
+    reqs = [(1, p) if q == 3 else (q, p) for q, p in reqs]  # decode rows stay decode rows
+    pools = _pools(16, 2, head_dim=head_dim, dtype=dtype, num_pages=64)
+    check_against_torch(pools, 8, reqs, seed=3, atol=1e-4 if dtype == torch.float32 else 6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_offsets_past_two_to_the_31() -> None:
+    """Slots whose element offset in a layer's K buffer is past 2**31 (int32 would wrap): a
+    2.36 M-slot bf16 pool (4.5 GiB per K or V), the requests on its last pages."""
+    ps, hkv, hd = 64, 8, 128  # 1024 elements per slot: offset 2**31 is slot 2**21
+    num_pages = (2**21 + 2**18) // ps
+    pools = _pools(ps, hkv, head_dim=hd, dtype=torch.bfloat16, num_pages=num_pages,
+                   num_layers=1)
+    first = 2**21 // ps + 8
+    for reqs in ([(1, 300), (1, 5), (1, 64)], [(70, 100), (1, 5)]):  # decode, then extend
+        check_against_torch(pools, 16, reqs, seed=1, atol=6e-2, first_page=first)
 
 
 def test_store_skips_negative_slots() -> None:
@@ -115,6 +156,40 @@ def test_cpu_without_interpreter_is_a_config_error(monkeypatch: pytest.MonkeyPat
 def test_auto_is_torch_on_cpu() -> None:
     pool = DeviceKVPool(num_pages=2, page_size=4, num_layers=1, kv_heads=1, head_dim=8)
     assert make_attention_backend("auto", pool, 1, 8, 1.0).name == "torch"
+
+
+def test_auto_takes_triton_only_after_its_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` on a device where it would take triton (forced here: CPU says torch) runs the
+    kernels once against torch: a kernel that fails or computes wrong falls back to torch."""
+    import engine.attention as attention
+    from engine.attention import triton_kernels
+    from engine.attention.triton_backend import triton_self_check
+
+    pool = DeviceKVPool(num_pages=4, page_size=16, num_layers=1, kv_heads=2, head_dim=HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    assert triton_self_check(pool, 4, HEAD_DIM, scale) is None
+    monkeypatch.setattr(attention, "resolve_attention_backend", lambda name, dev: "triton")
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "triton"
+    assert make_attention_backend("triton", pool, 4, HEAD_DIM, scale).name == "triton"
+    real = triton_kernels.decode_attention
+
+    def wrong(*args: object, **kw: object) -> None:
+        real(*args, **kw)
+        args[9].mul_(2.0)  # type: ignore[attr-defined]  # the output
+
+    monkeypatch.setattr(triton_kernels, "decode_attention", wrong)
+    err = triton_self_check(pool, 4, HEAD_DIM, scale)
+    assert err is not None and err.startswith("decode output differs from the torch backend")
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "torch"
+
+    def fails(*args: object, **kw: object) -> None:
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(triton_kernels, "extend_attention", fails)
+    assert triton_self_check(pool, 4, HEAD_DIM, scale) == "RuntimeError: no kernel image"
+    assert make_attention_backend("auto", pool, 4, HEAD_DIM, scale).name == "torch"
+    # Asked for by name, triton is taken as is (its errors surface).
+    assert make_attention_backend("triton", pool, 4, HEAD_DIM, scale).name == "triton"
 
 
 def test_engine_greedy_equal_to_torch_backend(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ the `gpu`-marked tests run both on CUDA (streams, events, pinned host memory).""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -100,6 +101,10 @@ def test_batches_bigger_than_the_staging_buffer_move_in_chunks(layout):
 
 
 def test_kernel_on_cpu_without_interpreter_uses_direct(monkeypatch):
+    # Triton decides interpreted-or-compiled when a kernel is decorated, i.e. when the module
+    # is first imported: import it under the session's setting before flipping the variable,
+    # or every later kernel test in this process would get a compiled kernel with no driver.
+    importlib.import_module("hicache.transfer_kernel")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     dev, host = pools("page_first", torch.float32, "cpu", "kernel")
     assert PageMover(dev, host).io_backend == "direct"

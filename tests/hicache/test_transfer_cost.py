@@ -160,3 +160,27 @@ def test_a_load_is_kept_unless_recomputing_saves_min_saving_s():
     assert model().plan(0, 16).storage_tokens == 16
     assert model().plan(0, 32).storage_tokens == 0
     assert model(min_saving_s=0.0).plan(0, 16).storage_tokens == 0
+
+
+def test_a_tier_judged_slow_is_measured_again_after_remeasure_s():
+    """Recomputing never measures the tier it avoided: once `remeasure_s` has passed without a
+    measurement, one plan loads it (one per period), and what that load measures decides."""
+    now = [0.0]
+    m = model(storage_bytes_per_s=1e6, remeasure_s=30.0, clock=lambda: now[0])
+    for _ in range(10):
+        m.observe_load("storage", 10_000, 1.0)  # 10 KB/s: far slower than recomputing
+    assert m.plan(0, 100).storage_tokens == 0
+    now[0] = 29.9
+    assert m.plan(0, 100).storage_tokens == 0
+    now[0] = 30.0
+    assert m.plan(0, 100).storage_tokens == 100  # let through, to be measured
+    assert m.plan(0, 100).storage_tokens == 0  # only one per period
+    assert m.remeasures == 1
+    for _ in range(10):
+        m.observe_load("storage", 10_000_000, 1.0)  # the backend recovered: 10 MB/s
+    assert m.plan(0, 100).storage_tokens == 100
+    assert m.remeasures == 1
+    # Never, when switched off.
+    off = model(storage_bytes_per_s=1e4, remeasure_s=None, clock=lambda: now[0])
+    now[0] = 1e6
+    assert off.plan(0, 100).storage_tokens == 0 and off.remeasures == 0

@@ -32,6 +32,20 @@ def counters() -> SimpleNamespace:
     return SimpleNamespace(written=0, failed=0, nbytes=0, completed=0, corrupt=0)
 
 
+def forty_stored_pages(shared: str):
+    """40 pages (device pages 0-39 -> host pages 0-39) stored in L3; host pages 50-89 are free."""
+    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
+    dev.kv.copy_(torch.randn(dev.kv.shape))
+    host = HostKVPool.like(dev, 96, layout="page_first")
+    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
+                      layout="page_first", tokens_per_page=2, itemsize=4)
+    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": shared})), codec)
+    keys = [f"p{i}" for i in range(40)]
+    tr.device_to_host(list(range(40)), list(range(40)))
+    tr.store(keys, list(range(40)), counters())
+    return host, codec, tr, keys
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_then_fetch_in_batches_is_bit_exact(layout, dtype):
@@ -102,16 +116,7 @@ def test_prefetch_worker_acks_and_wakes_waiters():
 def test_pipelined_prefetch_counts_the_leading_run_only():
     """40 pages read as sub-batches on reader threads; a page missing in the second sub-batch
     stops the count there, whatever order the readers finished in."""
-    dev = DeviceKVPool(num_pages=48, page_size=2, num_layers=2, kv_heads=1, head_dim=4)
-    dev.kv.copy_(torch.randn(dev.kv.shape))
-    host = HostKVPool.like(dev, 96, layout="page_first")
-    codec = PageCodec(namespace=b"n" * 32, dtype="float32", shape=host.page_shape,
-                      layout="page_first", tokens_per_page=2, itemsize=4)
-    tr = TensorTransfer(dev, host, MemoryBackend(StorageConfig(extra={"shared": "l3-pipe"})),
-                        codec)
-    keys = [f"p{i}" for i in range(40)]
-    tr.device_to_host(list(range(40)), list(range(40)))
-    tr.store(keys, list(range(40)), counters())
+    host, codec, tr, keys = forty_stored_pages("l3-pipe")
     ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=4)
     try:
         full = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
@@ -129,3 +134,34 @@ def test_pipelined_prefetch_counts_the_leading_run_only():
         assert ctl.acks() == [full, holed]
     finally:
         ctl.close()
+
+
+def test_readers_start_with_the_controller_and_a_prefetch_starts_no_thread():
+    """A restarted engine's first L3 hit pays for no thread start or fresh staging memory: the
+    controller starts its readers, each with a touched staging buffer, when it is created."""
+    import threading
+
+    from hicache.controller import MIN_READ_PAGES
+
+    host, codec, tr, keys = forty_stored_pages("l3-warm")
+    ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=3)
+    try:
+        readers = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        assert len(readers) == 3
+        sizes = ctl._reader_pool.map(lambda _: tr._local.tensor.numel(), range(9))
+        assert set(sizes) == {MIN_READ_PAGES * codec.record_bytes}
+        op = PrefetchOp("a", anchor=None, tokens=(), start_page=0, keys=keys,  # type: ignore[arg-type]
+                        host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
+        ctl.submit_prefetch(op)
+        assert ctl.wait_idle(60)
+        assert op.completed == 40
+        assert torch.equal(host.page_major[50:90], host.page_major[0:40])
+        after = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        assert after == readers
+    finally:
+        ctl.close()
+    unstarted = TransferController(tr, has_storage=False, readers=3)  # no L3: no readers
+    try:
+        assert unstarted._reader_pool is None
+    finally:
+        unstarted.close()

@@ -44,9 +44,19 @@ def logits_three_ways(device: str) -> list[torch.Tensor]:
                 fresh = cache.alloc_device(len(host_pages))
                 runner.pool.kv[:, :, runner.pool.slots(fresh)] = 0
                 ctr = cache.controller.load(host_pages, fresh, layerwise=mode == "layerwise")
-                pages, wait = fresh, (ctr.wait if mode == "layerwise" else None)
+                # A whole load has one event: the forward waits for it before layer 0 (on CUDA
+                # the load runs on its own stream; without the wait layer 0 could read zeros).
+                waited: list[int] = []
+
+                def wait(layer: int, ctr=ctr, waited=waited) -> None:
+                    waited.append(layer)
+                    ctr.wait(layer)
+
+                pages = fresh
                 assert len(ctr.events) == (runner.pool.num_layers if mode == "layerwise" else 1)
             logits = runner.forward([(tail, len(prompt), pages + tail_pages)], wait_layer=wait)
+            if mode != "device":
+                assert waited == list(range(runner.pool.num_layers))
             out.append(logits.float().cpu())
             cache.free_device(tail_pages + fresh)
         return out

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.config import HiCacheConfig
+from hicache.config import DEFAULT_PREFETCH_THRESHOLD, HiCacheConfig
 from hicache.errors import ConfigError
 from tools.hitrate.pages import Layout
 from tools.hitrate.traces import Trace
@@ -90,7 +90,7 @@ def build_cache(tiers: TierConfig, unbounded_pages: int, *, page_ids: bool = Fal
     defaults = HiCacheConfig()
     prefetch = tiers.prefetch_threshold
     load_back = tiers.load_back_threshold
-    prefetch = defaults.prefetch_threshold if prefetch is None else prefetch
+    prefetch = DEFAULT_PREFETCH_THRESHOLD if prefetch is None else prefetch  # (no cost model)
     load_back = defaults.load_back_threshold if load_back is None else load_back
     if page_ids:
         # "at least T tokens" over whole pages is "at least ceil(T / page_size) pages".
