@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hicache.backoff import Backoff
 from hicache.costmodel import CostModel, LoadPlan
 from hicache.transfer import DONE, LayerDoneCounter
-from hicache.transfer_tensor import TensorTransfer, fetch_pipelined
+from hicache.transfer_tensor import TensorTransfer, fetch_pipelined, start_readers
 
 if TYPE_CHECKING:
     from hicache.radix import Tokens, TreeNode
@@ -204,22 +204,11 @@ class TransferController:
                 self._start_readers()
 
     def _start_readers(self) -> None:
-        """Start the prefetch readers now, each with its staging buffer allocated and touched,
-        so that a restarted engine's first L3 hit does not pay for thread starts and fresh
-        memory (page faults) inside its time to first token."""
+        """Start the prefetch readers now, so that a restarted engine's first L3 hit does not
+        pay for thread starts and fresh staging memory inside its time to first token."""
         warm = getattr(self.data, "warm_staging", None)
-        if warm is None or self.readers <= 1:
-            return
-        self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
-        # The barrier holds every task until all have started: one thread each.
-        gate = threading.Barrier(self.readers)
-
-        def start() -> None:
-            gate.wait(timeout=30)
-            warm(MIN_READ_PAGES)
-
-        for f in [self._reader_pool.submit(start) for _ in range(self.readers)]:
-            f.result()
+        if warm is not None and self.readers > 1:
+            self._reader_pool = start_readers(self.readers, lambda: warm(MIN_READ_PAGES))
 
     # -- health -------------------------------------------------------------------------------
 

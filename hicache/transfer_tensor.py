@@ -166,6 +166,21 @@ class TensorTransfer:
         return good, corrupt
 
 
+def start_readers(readers: int, warm: Callable[[], Any]) -> ThreadPoolExecutor:
+    """A pool of `readers` threads, all started now, each having run `warm` once (e.g. to
+    allocate and touch its staging buffer)."""
+    pool = ThreadPoolExecutor(readers, thread_name_prefix="hicache-read")
+    gate = threading.Barrier(readers)  # holds every task until all have started: one per thread
+
+    def start() -> None:
+        gate.wait(timeout=30)
+        warm()
+
+    for f in [pool.submit(start) for _ in range(readers)]:
+        f.result()
+    return pool
+
+
 def fetch_pipelined(
     op: Any,
     read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]],
