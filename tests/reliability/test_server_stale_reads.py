@@ -16,58 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 
 from storage_backends.server import protocol as P
 from tests.reliability.conftest import wait_until
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc, page_key
-
-
-class Raw:
-    """A bare protocol client (DEALER): the server stores opaque bytes, so A and B are any."""
-
-    def __init__(self, url: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(url)
-        self.rid = 0
-
-    def call(self, req: P.Request, timeout_ms: int = 20000) -> P.Message | None:
-        """The reply, or None when none came in time (the server died)."""
-        self.rid += 1
-        req.request_id = self.rid
-        self.sock.send_multipart(P.encode(req))
-        while self.sock.poll(timeout_ms):
-            msg = P.decode(self.sock.recv_multipart(), expect="reply")
-            if msg.request_id == self.rid:
-                return msg
-        return None
-
-    def set(self, keys: list[str], values: list[bytes]) -> list[bool]:
-        r = self.call(P.SetRequest(keys=keys, frames=list(values)))
-        assert isinstance(r, P.SetReply), r
-        return r.stored
-
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        r = self.call(P.GetRequest(keys=keys))
-        assert isinstance(r, P.GetReply), r
-        frames = iter(r.frames)
-        return [None if n < 0 else bytes(next(frames)) for n in r.lengths]
-
-    def stats(self) -> dict[str, int]:
-        r = self.call(P.StatsRequest())
-        assert isinstance(r, P.StatsReply), r
-        return r.stats
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient, page_key
 
 
 @pytest.fixture
-def clients() -> Iterator[list[Raw]]:
-    made: list[Raw] = []
+def clients() -> Iterator[list[RawClient]]:
+    made: list[RawClient] = []
     yield made
     for c in made:
         c.close()
@@ -78,11 +35,11 @@ def _value(tag: bytes, i: int, size: int) -> bytes:
     return (head * (size // len(head) + 1))[:size]
 
 
-def _settled(c: Raw) -> bool:
+def _settled(c: RawClient) -> bool:
     return c.stats()["persist_pending"] == 0
 
 
-def _evict_all(c: Raw, capacity: int, page: int) -> None:
+def _evict_all(c: RawClient, capacity: int, page: int) -> None:
     """Fill the memory tier with other pages until every earlier page is evicted."""
     n = 2 * capacity // page + 2
     for start in range(0, n, 16):
@@ -90,7 +47,7 @@ def _evict_all(c: Raw, capacity: int, page: int) -> None:
         assert all(c.set(keys, [_value(b"F", i, page) for i in range(len(keys))]))
 
 
-def test_queue_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw]) -> None:
+def test_queue_full_overwrite_is_never_undone(tmp_path: Path, clients: list[RawClient]) -> None:
     capacity, page, n = 1 << 20, 4096, 200
     srv = HiCacheServerProc(
         tmp_path,
@@ -99,7 +56,7 @@ def test_queue_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw]
         args=["--persist-queue", "1", "--persist-block-ms", "0"],
     ).start()
     try:
-        c = Raw(srv.url)
+        c = RawClient(srv.url)
         clients.append(c)
         keys = [page_key("x", i) for i in range(n)]
         a = [_value(b"A", i, page) for i in range(n)]
@@ -124,7 +81,7 @@ def test_queue_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw]
     assert "Traceback" not in srv.log()
 
 
-def test_disk_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw]) -> None:
+def test_disk_full_overwrite_is_never_undone(tmp_path: Path, clients: list[RawClient]) -> None:
     capacity, small, big = 1 << 20, 4096, 64 << 10
     limit = 32 << 10  # A (4 KiB) fits under RLIMIT_FSIZE, B (64 KiB) cannot be written
     srv = HiCacheServerProc(
@@ -134,7 +91,7 @@ def test_disk_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw])
         file_size_limit=limit,
     ).start()
     try:
-        c = Raw(srv.url)
+        c = RawClient(srv.url)
         clients.append(c)
         keys = [page_key("x", i) for i in range(8)]
         a = [_value(b"A", i, small) for i in range(8)]
@@ -155,7 +112,7 @@ def test_disk_full_overwrite_is_never_undone(tmp_path: Path, clients: list[Raw])
 
 
 def test_crash_between_write_and_rename_never_serves_the_older_value(
-    tmp_path: Path, clients: list[Raw]
+    tmp_path: Path, clients: list[RawClient]
 ) -> None:
     small, big, limit = 4096, 64 << 10, 32 << 10
     persist = tmp_path / "persist"
@@ -163,7 +120,7 @@ def test_crash_between_write_and_rename_never_serves_the_older_value(
         tmp_path, persist_dir=persist, file_size_limit=limit, die_on_file_limit=True
     ).start()
     try:
-        c = Raw(srv.url)
+        c = RawClient(srv.url)
         clients.append(c)
         key = page_key("x", 0)
         a, b = _value(b"A", 0, small), _value(b"B", 0, big)
@@ -180,7 +137,7 @@ def test_crash_between_write_and_rename_never_serves_the_older_value(
         clients.pop().close()
         srv.file_size_limit = None
         srv.start()
-        c = Raw(srv.url)
+        c = RawClient(srv.url)
         clients.append(c)
         assert c.get([key]) == [None]  # not A
         assert not list(persist.rglob("*.tmp"))  # the dead writer's temp file is cleaned up

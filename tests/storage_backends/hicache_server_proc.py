@@ -12,9 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from hicache.errors import StorageError
 from hicache.storage import PageCodec, StorageConfig
 from storage_backends.hicache_backend import HiCacheServerBackend
+from storage_backends.server import protocol as P
 from tests.procs import ManagedProcess, free_port, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -290,3 +293,52 @@ def mixed_worker(
             }
         )
     )
+
+
+class RawClient:
+    """A bare protocol client (one DEALER socket, messages built by hand): for tests that need
+    what the backend never sends, or to see each reply as it is."""
+
+    def __init__(self, url: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+        self.rid = 0
+
+    def ask(self, msg: P.Request) -> P.Message:
+        """Send `msg` as it is (its own request id) and return the next reply."""
+        self.sock.send_multipart(P.encode(msg))
+        assert self.sock.poll(20000), "server did not answer"
+        return P.decode(self.sock.recv_multipart(), expect="reply")
+
+    def call(self, req: P.Request, timeout_ms: int = 20000) -> P.Message | None:
+        """The reply, or None when none came in time (the server died)."""
+        self.rid += 1
+        req.request_id = self.rid
+        self.sock.send_multipart(P.encode(req))
+        while self.sock.poll(timeout_ms):
+            msg = P.decode(self.sock.recv_multipart(), expect="reply")
+            if msg.request_id == self.rid:
+                return msg
+        return None
+
+    def set(self, keys: list[str], values: list[bytes]) -> list[bool]:
+        r = self.call(P.SetRequest(keys=keys, frames=list(values)))
+        assert isinstance(r, P.SetReply), r
+        return r.stored
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        r = self.call(P.GetRequest(keys=keys))
+        assert isinstance(r, P.GetReply), r
+        frames = iter(r.frames)
+        return [None if n < 0 else bytes(next(frames)) for n in r.lengths]
+
+    def stats(self) -> dict[str, int]:
+        r = self.call(P.StatsRequest())
+        assert isinstance(r, P.StatsReply), r
+        return r.stats
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 
 from storage_backends import hicache_backend
 from storage_backends.hicache_shm import ClientRegion, plan
@@ -23,6 +22,7 @@ from storage_backends.server import protocol as P
 from tests.procs import free_port
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,
+    RawClient,
     codec,
     hicache_server,
     page_key,
@@ -50,28 +50,9 @@ def _bytes(stats: dict[str, int]) -> dict[str, int]:
     return {k: stats[k] for k in SHM_COUNTERS}
 
 
-class Raw:
-    """A bare DEALER connection (protocol messages by hand)."""
-
-    def __init__(self, url: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(url)
-
-    def ask(self, msg: P.Request) -> P.Message:
-        self.sock.send_multipart(P.encode(msg))
-        assert self.sock.poll(20000), "server did not answer"
-        return P.decode(self.sock.recv_multipart(), expect="reply")
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
 @pytest.fixture
-def raw_conns() -> Iterator[list[Raw]]:
-    made: list[Raw] = []
+def raw_conns() -> Iterator[list[RawClient]]:
+    made: list[RawClient] = []
     yield made
     for r in made:
         r.close()
@@ -199,8 +180,10 @@ def test_region_the_server_cannot_open_falls_back_to_tcp(
         b.close()
 
 
-def _attached(url: str, conns: list[Raw], size: int = 1 << 20) -> tuple[Raw, ClientRegion]:
-    r = Raw(url)
+def _attached(
+    url: str, conns: list[RawClient], size: int = 1 << 20
+) -> tuple[RawClient, ClientRegion]:
+    r = RawClient(url)
     conns.append(r)
     region = ClientRegion(size)
     reply = r.ask(P.AttachShmRequest(request_id=1, name=region.name, size=size))
@@ -208,7 +191,7 @@ def _attached(url: str, conns: list[Raw], size: int = 1 << 20) -> tuple[Raw, Cli
     return r, region
 
 
-def test_hostile_descriptors_get_error_replies(tmp_path: Path, raw_conns: list[Raw]) -> None:
+def test_hostile_descriptors_get_error_replies(tmp_path: Path, raw_conns: list[RawClient]) -> None:
     size = 1 << 20
     with hicache_server(tmp_path) as srv:
         r, region = _attached(srv.url, raw_conns, size)
@@ -241,7 +224,7 @@ def test_hostile_descriptors_get_error_replies(tmp_path: Path, raw_conns: list[R
         region.close()
 
 
-def test_slot_too_small_is_never_overflowed(tmp_path: Path, raw_conns: list[Raw]) -> None:
+def test_slot_too_small_is_never_overflowed(tmp_path: Path, raw_conns: list[RawClient]) -> None:
     with hicache_server(tmp_path) as srv:
         r, region = _attached(srv.url, raw_conns)
         region.buf[0:1000] = b"v" * 1000
@@ -265,13 +248,13 @@ def test_slot_too_small_is_never_overflowed(tmp_path: Path, raw_conns: list[Raw]
         b.close()
 
 
-def test_bad_region_files_are_refused(tmp_path: Path, raw_conns: list[Raw]) -> None:
+def test_bad_region_files_are_refused(tmp_path: Path, raw_conns: list[RawClient]) -> None:
     link = f"hicache-test-link-{os.getpid()}"
     target = ClientRegion(4096)
     os.symlink(target.path, f"/dev/shm/{link}")
     try:
         with hicache_server(tmp_path) as srv:
-            r = Raw(srv.url)
+            r = RawClient(srv.url)
             raw_conns.append(r)
             cases = [
                 (link, 4096, "cannot open"),  # a symlink (O_NOFOLLOW)
@@ -298,7 +281,7 @@ def test_bad_region_files_are_refused(tmp_path: Path, raw_conns: list[Raw]) -> N
         target.close()
 
 
-def test_shrunk_region_is_detached_not_a_crash(tmp_path: Path, raw_conns: list[Raw]) -> None:
+def test_shrunk_region_is_detached_not_a_crash(tmp_path: Path, raw_conns: list[RawClient]) -> None:
     with hicache_server(tmp_path) as srv:
         r, region = _attached(srv.url, raw_conns)
         os.truncate(region.path, 0)  # would make the server's next access SIGBUS
