@@ -325,7 +325,9 @@ class TransferController:
 
     @property
     def pending(self) -> int:
-        return self._pending
+        """Operations not yet handed to the owner: running, or acked and waiting in the queue
+        (a worker queues its ack before it stops counting the op, so none is ever in neither)."""
+        return self._pending + self._acks.qsize()
 
     @property
     def threads_alive(self) -> int:

@@ -126,12 +126,17 @@ def test_pipelined_prefetch_counts_the_leading_run_only():
                            host_pages=list(range(50, 90)), started=0.0, budget_s=0.0)
         ctl.submit_prefetch(full)
         assert ctl.wait_idle(60)
+        # Done, but its ack not yet handed out: still pending for the owner (flush and the
+        # engine's `pending_transfers` would otherwise see an idle cache with an ack unapplied).
+        assert ctl.pending == 1
         assert (full.completed, full.nbytes) == (40, 40 * codec.record_bytes)
         assert torch.equal(host.page_major[50:90], host.page_major[0:40])
         ctl.submit_prefetch(holed)
         assert ctl.wait_idle(60)
         assert (holed.completed, holed.error) == (20, None)
+        assert ctl.pending == 2
         assert ctl.acks() == [full, holed]
+        assert ctl.pending == 0
     finally:
         ctl.close()
 
