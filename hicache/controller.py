@@ -206,9 +206,12 @@ class TransferController:
     def _start_readers(self) -> None:
         """Start the prefetch readers now, so that a restarted engine's first L3 hit does not
         pay for thread starts and fresh staging memory inside its time to first token."""
+        if getattr(self.data, "read_batch", None) is None or self.readers <= 1:
+            return  # no pipelined reads (`_run_prefetch`)
         warm = getattr(self.data, "warm_staging", None)
-        if warm is not None and self.readers > 1:
-            self._reader_pool = start_readers(self.readers, lambda: warm(MIN_READ_PAGES))
+        self._reader_pool = start_readers(
+            self.readers, lambda: warm(MIN_READ_PAGES) if warm is not None else None
+        )
 
     # -- health -------------------------------------------------------------------------------
 
@@ -474,8 +477,7 @@ class TransferController:
     def _fetch_pipelined(
         self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
     ) -> None:
-        if self._reader_pool is None:
-            self._reader_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="hicache-read")
+        assert self._reader_pool is not None  # started with the controller (`_start_readers`)
         record_bytes = int(getattr(getattr(self.data, "codec", None), "record_bytes", 0))
         per_reader = -(-len(op.keys) // self.readers)
         sub = min(self.batch_pages, max(MIN_READ_PAGES, per_reader))
