@@ -3,10 +3,11 @@
 `CostModel` keeps exponentially weighted moving averages (EWMA) of what was measured on this
 machine: the bandwidth of each tier's load path (`host`: host -> device; `storage`: L3 -> host,
 which is then also loaded host -> device) with a fixed per-operation latency, and the prefill
-speed (tokens per second of forward). `plan()` is pure: given the host-resident and the
-storage-resident parts of a request's cached prefix (in prefix order: device pages first, then
-host, then storage), it returns how many tokens to load from each tier; the rest is
-recomputed. Loads are prefix-contiguous (a storage page is of no use without the host pages
+speed (tokens per second of forward). `plan()` depends on those measurements only (but once
+per `remeasure_s` per tier it lets a load through to re-measure a tier it would skip): given
+the host-resident and the storage-resident parts of a request's cached prefix (in prefix order:
+device pages first, then host, then storage), it returns how many tokens to load from each
+tier; the rest is recomputed. Loads are prefix-contiguous (a storage page is of no use without the host pages
 before it), and each tier is either worth it or not (per-token costs are constant), so the plan
 is: load the host part when that beats recomputing it, then the storage part when the host part
 is loaded and loading beats recomputing it too. Until a quantity has been measured, its prior
