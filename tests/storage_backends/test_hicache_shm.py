@@ -50,6 +50,17 @@ def _bytes(stats: dict[str, int]) -> dict[str, int]:
     return {k: stats[k] for k in SHM_COUNTERS}
 
 
+def _tcp_only_roundtrip(b: Any, keys: list[str], recs: list[bytearray]) -> dict[str, int]:
+    """Store and read back `recs`, check that every page byte went over TCP (none through
+    shared memory), and return the server's stats."""
+    _roundtrip(b, keys, recs)
+    st = b.server_stats()
+    total = sum(len(r) for r in recs)
+    assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
+                          "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+    return st
+
+
 @pytest.fixture
 def raw_conns() -> Iterator[list[RawClient]]:
     made: list[RawClient] = []
@@ -93,13 +104,9 @@ def test_shm_client_moves_no_page_byte_over_tcp(tmp_path: Path) -> None:
 
 def test_tcp_client_moves_no_page_byte_over_shm(tmp_path: Path) -> None:
     keys, recs = _pages("tcp", 8)
-    total = sum(len(r) for r in recs)
     with hicache_server(tmp_path) as srv:
         b = srv.client(shm=False)
-        _roundtrip(b, keys, recs)
-        st = b.server_stats()
-        assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
-                              "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        st = _tcp_only_roundtrip(b, keys, recs)
         assert (st["shm_attached"], st["shm_regions"]) == (0, 0)
         b.close()
 
@@ -118,13 +125,9 @@ def test_batch_larger_than_the_region_goes_in_rounds(tmp_path: Path) -> None:
 
 def test_record_larger_than_the_region_goes_over_tcp(tmp_path: Path) -> None:
     keys, recs = _pages("big", 3)
-    total = sum(len(r) for r in recs)
     with hicache_server(tmp_path) as srv:
         b = srv.client(shm_bytes=64 << 10)  # smaller than one record
-        _roundtrip(b, keys, recs)
-        assert _bytes(b.server_stats()) == {"tcp_page_bytes_in": total,
-                                            "tcp_page_bytes_out": total,
-                                            "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        _tcp_only_roundtrip(b, keys, recs)
         b.close()
 
 
@@ -132,16 +135,12 @@ def test_server_with_no_shm_refuses_and_the_client_falls_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     keys, recs = _pages("noshm", 4)
-    total = sum(len(r) for r in recs)
     with hicache_server(tmp_path, args=["--no-shm"]) as srv:
         with caplog.at_level(logging.INFO, logger="storage_backends.hicache_backend"):
             b = srv.client()
         assert b.shm_enabled is False
         assert sum("shared memory off" in r.message for r in caplog.records) == 1
-        _roundtrip(b, keys, recs)
-        st = b.server_stats()
-        assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
-                              "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        st = _tcp_only_roundtrip(b, keys, recs)
         assert (st["shm_refused"], st["shm_attached"], st["shm_regions"]) == (1, 0, 0)
         assert b.stats().errors == 0
         b.close()
@@ -168,14 +167,10 @@ def test_region_the_server_cannot_open_falls_back_to_tcp(
 ) -> None:
     monkeypatch.setattr(hicache_backend, "ClientRegion", region_cls)
     keys, recs = _pages("fallback", 4)
-    total = sum(len(r) for r in recs)
     with hicache_server(tmp_path) as srv:
         b = srv.client()
         assert b.shm_enabled is False
-        _roundtrip(b, keys, recs)
-        st = b.server_stats()
-        assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
-                              "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        st = _tcp_only_roundtrip(b, keys, recs)
         assert (st["shm_refused"], st["shm_regions"]) == (1, 0)
         b.close()
 
@@ -365,15 +360,11 @@ class _Version1Server(HiCacheServerProc):
 
 def test_new_client_on_a_version_1_server_uses_tcp(tmp_path: Path) -> None:
     keys, recs = _pages("v1", 4)
-    total = sum(len(r) for r in recs)
     srv = _Version1Server(tmp_path).start()
     try:
         b = srv.client()
         assert b.shm_enabled is False
-        _roundtrip(b, keys, recs)
-        st = b.server_stats()
-        assert _bytes(st) == {"tcp_page_bytes_in": total, "tcp_page_bytes_out": total,
-                              "shm_page_bytes_in": 0, "shm_page_bytes_out": 0}
+        st = _tcp_only_roundtrip(b, keys, recs)
         assert (st["shm_attached"], st["shm_regions"]) == (0, 0)
         assert b.stats().errors == 0
         b.close()
