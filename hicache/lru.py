@@ -71,14 +71,31 @@ class LRUByteStore(Generic[V]):
         if self.capacity_bytes and size > self.capacity_bytes:
             return None
         self.pop(key)
+        evicted = self.make_room(size)
+        assert evicted is not None
+        self._data[key] = value
+        self._bytes += size
+        return evicted
+
+    def make_room(self, size: int) -> list[tuple[str, V]] | None:
+        """Evict from the LRU end until `size` more bytes fit; the entries evicted, or None
+        (nothing evicted) when `size` exceeds the whole capacity."""
+        if self.capacity_bytes and size > self.capacity_bytes:
+            return None
         evicted: list[tuple[str, V]] = []
         while self.capacity_bytes and self._bytes + size > self.capacity_bytes:
             k, v = self._data.popitem(last=False)
             self._bytes -= self._size(v)
             evicted.append((k, v))
-        self._data[key] = value
-        self._bytes += size
         return evicted
+
+    def replace(self, key: str, value: V) -> None:
+        """Swap the value of `key` for one of the same size, keeping its recency (KeyError when
+        absent, ValueError when the sizes differ)."""
+        old = self._data[key]
+        if self._size(old) != self._size(value):
+            raise ValueError(f"replacement of {key!r} changes its size")
+        self._data[key] = value
 
     def pop(self, key: str) -> V | None:
         """Remove `key`; its value, or None when absent."""

@@ -35,7 +35,6 @@ threads run their round trips in parallel.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +45,20 @@ import zmq
 from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import Backoff, byte_view, check_known_keys, setting
-from storage_backends.hicache_shm import SHM_REFUSALS, ClientRegion, ShmLost, shm_get, shm_set
+from storage_backends.hicache_shm import (
+    NOT_MAPPED,
+    SHM_REFUSALS,
+    ClientRegion,
+    ShmLost,
+    StoreMap,
+    Unreachable,
+    Wire,
+    locate_get,
+    map_store,
+    shm_get,
+    shm_set,
+    split,
+)
 from storage_backends.hicache_shm import Conn as _Conn
 from storage_backends.server import protocol as P
 from storage_backends.server.store import tune_malloc
@@ -58,10 +70,6 @@ KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "t
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 
 R = TypeVar("R", bound=P.Reply)
-
-
-class _Unreachable(Exception):
-    """A round trip got no (valid) answer in time; the socket has been dropped."""
 
 
 class HiCacheServerBackend(StorageBackend):
@@ -86,12 +94,18 @@ class HiCacheServerBackend(StorageBackend):
         self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
         # Whether new connections offer a region: off by config, or after a server refused one.
         self.shm_enabled = setting(config, "shm", True)
+        # The server's shared-memory store, mapped on first use (None: not yet, or none).
+        self._store: StoreMap | None = None
+        self._store_wanted = self.shm_enabled
+        self._store_lock = threading.Lock()
+        self.arena_reads = 0  # records copied in place from the server's store
+        self.arena_fallbacks = 0  # records located but read another way (not there, or moved)
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self._ctx = zmq.Context(io_threads=1)
         self._pool: list[_Conn] = []
         self._pool_lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._wire = Wire(self.url, self._token, self.timeout_ms)
         self._closed = False
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
@@ -131,7 +145,7 @@ class HiCacheServerBackend(StorageBackend):
         s.setsockopt(zmq.RECONNECT_IVL, 50)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         s.connect(self.url)
-        conn = _Conn(s)
+        conn = _Conn(s, self._wire)
         if self.shm_enabled:
             try:
                 self._attach(conn)
@@ -148,7 +162,7 @@ class HiCacheServerBackend(StorageBackend):
             self._no_shm(f"cannot create a region in /dev/shm: {e}")
             return
         try:
-            reply = self._exchange(conn.sock, [P.AttachShmRequest(name=region.name,
+            reply = conn.exchange([P.AttachShmRequest(name=region.name,
                                                                    size=region.size)])[0]
         except BaseException:
             region.close()
@@ -163,6 +177,29 @@ class HiCacheServerBackend(StorageBackend):
         if reply.code not in SHM_REFUSALS:  # e.g. a wrong token: refused like any request
             raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
         self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
+
+    def _store_map(self, conn: _Conn) -> StoreMap | None:
+        """The server's store, mapped read-only (asked for once; None when it has none or it
+        cannot be mapped here, e.g. another host: reads then go through the region)."""
+        store = self._store
+        if store is not None or not self._store_wanted:
+            return store
+        with self._store_lock:
+            if self._store is None and self._store_wanted:
+                try:
+                    self._store = map_store(lambda req: conn.exchange([req])[0])
+                except (OSError, StorageError) as e:
+                    logger.info("hicache backend: not reading the server's store in place: %s", e)
+                if self._store is None:
+                    self._store_wanted = False
+                else:
+                    logger.info("hicache backend: reading pages in place from the server's store")
+            return self._store
+
+    def _count_arena(self, in_place: int, fallback: int) -> None:
+        with self._store_lock:
+            self.arena_reads += in_place
+            self.arena_fallbacks += fallback
 
     def _no_shm(self, why: str) -> None:
         if self.shm_enabled:
@@ -193,7 +230,7 @@ class HiCacheServerBackend(StorageBackend):
             conn = self._checkout()
             replies = work(conn)
             healthy = True
-        except _Unreachable as e:
+        except Unreachable as e:
             self._backoff.failure(e)
             raise StorageUnavailable(str(e)) from e
         except BaseException:
@@ -205,52 +242,6 @@ class HiCacheServerBackend(StorageBackend):
         self._backoff.success()
         return replies
 
-    def _exchange(
-        self,
-        s: zmq.Socket,
-        reqs: Iterable[P.Request],
-        on_reply: Callable[[int, P.Reply], None] | None = None,
-    ) -> list[P.Reply]:
-        """Send every request (pipelined on one socket), collect their replies in order.
-
-        `reqs` may be a generator: each request is sent as soon as it is made (a shm set
-        writes the next records into the region while the server copies the previous ones).
-        `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
-        wire (a get copies its pages out then, so the received buffers are freed and reused)."""
-        try:
-            wanted: dict[int, int] = {}
-            n = 0
-            for i, req in enumerate(reqs):
-                req.request_id = next(self._ids)
-                req.token = self._token
-                wanted[req.request_id] = i
-                s.send_multipart(P.encode(req), copy=False)
-                n += 1
-            replies: list[P.Reply | None] = [None] * n
-            got = 0
-            while got < n:
-                # The timeout bounds the wait for each reply, so a large pipelined batch that
-                # keeps making progress is not cut short.
-                if not s.poll(self.timeout_ms, zmq.POLLIN):
-                    raise _Unreachable(f"no reply from {self.url} within {self.timeout_ms} ms")
-                frames = s.recv_multipart(copy=False)
-                msg = P.decode([f.buffer for f in frames], expect="reply")
-                i_req = wanted.pop(msg.request_id, None)
-                if i_req is None:
-                    if isinstance(msg, P.ErrorReply) and msg.request_id == 0:
-                        raise StorageError(f"server error {msg.code}: {msg.message}")
-                    continue  # a late reply of an abandoned request
-                assert isinstance(msg, P.Reply)
-                if on_reply is not None:
-                    on_reply(i_req, msg)
-                replies[i_req] = msg
-                got += 1
-            return [r for r in replies if r is not None]
-        except zmq.Again as e:
-            raise _Unreachable(f"cannot send to {self.url} within {self.timeout_ms} ms") from e
-        except zmq.ZMQError as e:
-            raise _Unreachable(f"{self.url}: {e}") from e
-
     def _shm_op(self, work: Callable[[_Conn], list[P.Reply]]) -> list[P.Reply]:
         """`_session(work)`, once more on fresh connections when the server had lost the
         region (a restarted server: every pooled connection is stale, so all are dropped)."""
@@ -258,6 +249,8 @@ class HiCacheServerBackend(StorageBackend):
             return self._session(work)
         except ShmLost as e:
             logger.info("hicache backend: the server lost our shm region (%s); attaching again", e)
+            self._store = None  # a restarted server has a new store (the old mapping is unmapped
+            # when the last reader lets it go)
             self._drop_pool()
         try:
             return self._session(work)
@@ -272,7 +265,7 @@ class HiCacheServerBackend(StorageBackend):
     ) -> list[R]:
         """Round trip under the circuit breaker. Raises `StorageUnavailable` (transient) or
         `StorageError` (an error reply: wrong token, a request the server refused)."""
-        replies = self._session(lambda c: self._exchange(c.sock, reqs, on_reply))
+        replies = self._session(lambda c: c.exchange(reqs, on_reply))
         return self._expect(replies, reqs, kind)
 
     def _expect(self, replies: list[P.Reply], reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
@@ -296,21 +289,7 @@ class HiCacheServerBackend(StorageBackend):
             logger.debug("hicache backend: %s failed: %s", op, e)
 
     def _chunks(self, n: int, sizes: Sequence[int] | None = None) -> list[range]:
-        """Split n keys into requests of at most `batch_keys` keys and (when the record sizes
-        are known) about `batch_bytes` bytes. Smaller requests pipeline: the server works on
-        one while the next is still on the wire."""
-        out: list[range] = []
-        start = 0
-        size = 0
-        for i in range(n):
-            rec = sizes[i] if sizes is not None else 0
-            if i > start and (i - start >= self.batch_keys or size + rec > self.batch_bytes):
-                out.append(range(start, i))
-                start, size = i, 0
-            size += rec
-        if n > start:
-            out.append(range(start, n))
-        return out
+        return split(n, sizes, self.batch_keys, self.batch_bytes)
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -354,12 +333,14 @@ class HiCacheServerBackend(StorageBackend):
         views = [byte_view(o) for o in out]
         res = [-1] * len(keys)
         chunks: list[range] = []
+        tcp_idx: list[int] = []  # batch positions the TCP path reads
 
         def copy_out(i_req: int, r: P.Reply) -> None:
             if not isinstance(r, P.GetReply) or len(r.lengths) != len(chunks[i_req]):
                 return  # judged by _expect / below
             frames = iter(r.frames)
-            for i, n in zip(chunks[i_req], r.lengths):
+            for j, n in zip(chunks[i_req], r.lengths):
+                i = tcp_idx[j]
                 res[i] = n
                 if n >= 0:
                     src = next(frames)
@@ -369,16 +350,30 @@ class HiCacheServerBackend(StorageBackend):
             r.frames = []  # release the received buffers now
 
         def work(conn: _Conn) -> list[P.Reply]:
+            def exchange(
+                reqs: Iterable[P.Request], cb: Callable[[int, P.Reply], None] | None
+            ) -> list[P.Reply]:
+                return conn.exchange(reqs, cb)
+
+            idx = list(range(len(keys)))
+            store = self._store_map(conn) if conn.region is not None else None
+            if store is not None:  # in place from the server's arena; the rest another way
+                res[:] = locate_get(exchange, store, keys, views, self.batch_keys)
+                idx = [i for i, n in enumerate(res) if n == NOT_MAPPED]
+                self._count_arena(len(keys) - len(idx), len(idx))
+                if not idx:
+                    return []
             region = conn.region
-            if region is not None and max((len(v) for v in views), default=0) <= region.size:
-                res[:] = shm_get(
-                    lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
-                    region, keys, views, self.batch_keys, self._shm_request_bytes,
-                )
+            if region is not None and max((len(views[i]) for i in idx), default=0) <= region.size:
+                got = shm_get(exchange, region, [keys[i] for i in idx], [views[i] for i in idx],
+                              self.batch_keys, self._shm_request_bytes)
+                for i, n in zip(idx, got):
+                    res[i] = n
                 return []
-            chunks[:] = self._chunks(len(keys), [len(v) for v in views])
-            reqs = [P.GetRequest(keys=list(keys[c.start : c.stop])) for c in chunks]
-            return self._exchange(conn.sock, reqs, copy_out)
+            tcp_idx[:] = idx
+            chunks[:] = self._chunks(len(idx), [len(views[i]) for i in idx])
+            reqs = [P.GetRequest(keys=[keys[idx[j]] for j in c]) for c in chunks]
+            return exchange(reqs, copy_out)
 
         try:
             replies = self._shm_op(work)
@@ -407,7 +402,7 @@ class HiCacheServerBackend(StorageBackend):
             region = conn.region
             if region is not None and max(len(views[i]) for i in send) <= region.size:
                 got = shm_set(
-                    lambda reqs, cb: self._exchange(conn.sock, reqs, cb),
+                    conn.exchange,
                     region, [keys[i] for i in send], [views[i] for i in send],
                     self.batch_keys, self._shm_request_bytes,
                 )
@@ -428,7 +423,7 @@ class HiCacheServerBackend(StorageBackend):
                 reqs[-1].frames.append(v)
                 index[-1].append(i)
                 size += len(v)
-            return self._exchange(conn.sock, reqs)
+            return conn.exchange(reqs)
 
         if send:
             try:
@@ -492,8 +487,9 @@ class HiCacheServerBackend(StorageBackend):
                 return
             self._closed = True
             pool, self._pool = self._pool, []
+            self._store = None
         for conn in pool:
             if conn.region is not None and not self._backoff.down:
-                conn.detach(next(self._ids), self._token, min(self.timeout_ms, 1000))
+                conn.detach(min(self.timeout_ms, 1000))
             conn.close()
         self._ctx.destroy(linger=0)

@@ -16,12 +16,16 @@ A batch larger than the region goes in rounds; the requests of one round are pip
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
+import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -76,17 +80,79 @@ class ClientRegion:
         self._mm.close()
 
 
+class Unreachable(Exception):
+    """A round trip got no (valid) answer in time; the socket has been dropped."""
+
+
+@dataclass
+class Wire:
+    """What every request of one client carries and waits for."""
+
+    url: str
+    token: str
+    timeout_ms: int
+    ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+
 @dataclass
 class Conn:
     """A pooled DEALER socket and its attached region (None: pages go as TCP frames)."""
 
     sock: zmq.Socket
+    wire: Wire
     region: ClientRegion | None = None
 
-    def detach(self, request_id: int, token: str, timeout_ms: int) -> None:
+    def exchange(
+        self,
+        reqs: Iterable[P.Request],
+        on_reply: Callable[[int, P.Reply], None] | None = None,
+    ) -> list[P.Reply]:
+        """Send every request (pipelined on the socket), collect their replies in order.
+
+        `reqs` may be a generator: each request is sent as soon as it is made (a shm set
+        writes the next records into the region while the server copies the previous ones).
+        `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
+        wire (a get copies its pages out then, so the received buffers are freed and reused).
+        Raises `Unreachable` when a reply does not come within the timeout."""
+        s, w = self.sock, self.wire
+        try:
+            wanted: dict[int, int] = {}
+            n = 0
+            for i, req in enumerate(reqs):
+                req.request_id = next(w.ids)
+                req.token = w.token
+                wanted[req.request_id] = i
+                s.send_multipart(P.encode(req), copy=False)
+                n += 1
+            replies: list[P.Reply | None] = [None] * n
+            got = 0
+            while got < n:
+                # The timeout bounds the wait for each reply, so a large pipelined batch that
+                # keeps making progress is not cut short.
+                if not s.poll(w.timeout_ms, zmq.POLLIN):
+                    raise Unreachable(f"no reply from {w.url} within {w.timeout_ms} ms")
+                frames = s.recv_multipart(copy=False)
+                msg = P.decode([f.buffer for f in frames], expect="reply")
+                i_req = wanted.pop(msg.request_id, None)
+                if i_req is None:
+                    if isinstance(msg, P.ErrorReply) and msg.request_id == 0:
+                        raise StorageError(f"server error {msg.code}: {msg.message}")
+                    continue  # a late reply of an abandoned request
+                assert isinstance(msg, P.Reply)
+                if on_reply is not None:
+                    on_reply(i_req, msg)
+                replies[i_req] = msg
+                got += 1
+            return [r for r in replies if r is not None]
+        except zmq.Again as e:
+            raise Unreachable(f"cannot send to {w.url} within {w.timeout_ms} ms") from e
+        except zmq.ZMQError as e:
+            raise Unreachable(f"{w.url}: {e}") from e
+
+    def detach(self, timeout_ms: int) -> None:
         """Ask the server to unmap the region (best effort: a server that does not answer in
         time drops it later, least recently used first, under --shm-max-bytes)."""
-        req = P.DetachShmRequest(request_id=request_id, token=token)
+        req = P.DetachShmRequest(request_id=next(self.wire.ids), token=self.wire.token)
         try:
             self.sock.send_multipart(P.encode(req), flags=zmq.NOBLOCK)
             if self.sock.poll(timeout_ms, zmq.POLLIN):
@@ -99,6 +165,24 @@ class Conn:
         if self.region is not None:
             self.region.close()
             self.region = None
+
+
+def split(n: int, sizes: Sequence[int] | None, batch_keys: int, batch_bytes: int) -> list[range]:
+    """Split n keys into requests of at most `batch_keys` keys and (when the record sizes are
+    known) about `batch_bytes` bytes. Smaller requests pipeline: the server works on one while
+    the next is still on the wire."""
+    out: list[range] = []
+    start = 0
+    size = 0
+    for i in range(n):
+        rec = sizes[i] if sizes is not None else 0
+        if i > start and (i - start >= batch_keys or size + rec > batch_bytes):
+            out.append(range(start, i))
+            start, size = i, 0
+        size += rec
+    if n > start:
+        out.append(range(start, n))
+    return out
 
 
 @dataclass
@@ -207,4 +291,113 @@ def shm_get(
             for c in rnd
         ]
         exchange(reqs, copy_out)
+    return res
+
+
+# -- the server's shared-memory store (protocol v3) ------------------------------------------
+
+STORE_NAME = re.compile(r"hicache-store-[0-9]+-[0-9a-f]+")
+_HEADER = struct.Struct("<8sQQQQ")  # as `storage_backends.server.arena.HEADER`
+_HEADER_BYTES = 64
+_MAGIC = b"HCARENA1"
+_BLOCK = 4096
+# A record the client must read another way (`shm_get` or TCP): not in the arena, or changed
+# while it was copied.
+NOT_MAPPED = -2
+
+
+class StoreMap:
+    """The server's arena, mapped read-only (`map_store`): records are copied from it in place.
+
+    The file is checked like a region the other way round (a plain file in /dev/shm, ours, mode
+    0600, of the stated size) and its header must name the arena id the server gave, so a file
+    of another server (or another host's name) is never read."""
+
+    def __init__(self, name: str, size: int, arena_id: int) -> None:
+        if not STORE_NAME.fullmatch(name):
+            raise StorageError(f"shared-memory store name {name!r} is not ours")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise StorageError(f"{path} is not a private file of this user")
+            if st.st_size != size or size < _HEADER_BYTES:
+                raise StorageError(f"{path} is {st.st_size} bytes, not {size}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mm)
+        magic, aid, block, table, data = _HEADER.unpack_from(self.buf, 0)
+        self.data_start = -(-(_HEADER_BYTES + table) // _BLOCK) * _BLOCK
+        if (magic, aid, block) != (_MAGIC, arena_id, _BLOCK) or self.data_start + data != size:
+            self.close()
+            raise StorageError(f"{path} is not the arena {arena_id} of the server")
+        self.id = arena_id
+        self.size = size
+        self._gens = self.buf[_HEADER_BYTES : _HEADER_BYTES + table].cast("Q")
+
+    def read(self, offset: int, length: int, gen: int, dst: memoryview) -> bool:
+        """Copy the record at `offset` into `dst` (exactly `length` bytes); False when the
+        descriptor is outside the data, or the record was freed before or during the copy."""
+        block, rem = divmod(offset - self.data_start, _BLOCK)
+        if block < 0 or rem or length != len(dst) or not offset < offset + length <= self.size:
+            return False
+        if self._gens[block] != gen:
+            return False
+        dst[:] = self.buf[offset : offset + length]
+        return bool(self._gens[block] == gen)
+
+    def close(self) -> None:
+        with contextlib.suppress(AttributeError):
+            self._gens.release()
+        self.buf.release()
+        self._mm.close()
+
+
+def map_store(call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
+    """Ask the server for its store and map it; None when it has none (or an older protocol)."""
+    reply = call(P.MapStoreRequest())
+    if isinstance(reply, P.ErrorReply):
+        if reply.code in SHM_REFUSALS:
+            return None
+        raise StorageError(f"server answered {reply.code}: {reply.message}")
+    if not isinstance(reply, P.MapStoreReply):
+        raise StorageError(f"server answered {reply.TYPE} to map_store")
+    return StoreMap(reply.name, reply.size, reply.arena_id)
+
+
+def locate_get(
+    exchange: Exchange,
+    store: StoreMap,
+    keys: Sequence[str],
+    out: Sequence[memoryview],
+    batch_keys: int,
+) -> list[int]:
+    """Read `keys` into `out` from the server's arena: per key the stored length (-1: absent;
+    `NOT_MAPPED`: read it another way). Raises `ShmLost` when the server's arena is not the one
+    mapped (it restarted)."""
+    res = [-1] * len(keys)
+    chunks = [range(i, min(i + batch_keys, len(keys))) for i in range(0, len(keys), batch_keys)]
+
+    def copy(i_req: int, r: P.Reply) -> None:
+        c = chunks[i_req]
+        if isinstance(r, P.ErrorReply):
+            if r.code == P.ErrorCode.NO_SHM:
+                raise ShmLost(r.message)
+            raise StorageError(f"server answered {r.code}: {r.message}")
+        if not isinstance(r, P.ShmLocateReply) or len(r.lengths) != len(c):
+            raise StorageError("server answered a malformed shm_locate reply")
+        if r.arena_id != store.id:
+            raise ShmLost("the server's store is not the one mapped")
+        for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
+            if n < 0:
+                res[i] = -1
+            elif n != len(out[i]):
+                res[i] = n  # the caller sees the wrong length: a miss, nothing copied
+            else:
+                res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
+
+    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
+             copy)
     return res

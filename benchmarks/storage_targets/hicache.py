@@ -1,9 +1,11 @@
 """`hicache` backend against a real `hicache-server` started on a free loopback port (or an
 existing one: HICACHE_BENCH_HICACHE_URL, with HICACHE_BENCH_HICACHE_TOKEN if it wants one).
 
-`hicache` uses the default client, which offers the server a shared-memory region (same host:
-page bytes do not cross TCP); `hicache-tcp` is the same with `"shm": false` (ZeroMQ frames over
-loopback TCP), so the two data paths are measured side by side.
+`hicache` uses the default client and server: same host, so the client reads pages in place from
+the server's shared-memory store and writes them through its own region (no page byte crosses
+TCP). `hicache-region` turns the store off (`--shm-store-bytes 0`: reads go through the region
+too, one copy more); `hicache-tcp` is the default server with a `"shm": false` client (ZeroMQ
+frames over loopback TCP). The three data paths are measured side by side.
 
 The server's memory capacity is HICACHE_BENCH_HICACHE_CAPACITY (default 8GiB): keep it above the
 benchmark's working set, or the numbers include evictions.
@@ -22,7 +24,7 @@ from benchmarks.storage_targets import BackendClient, Client, ClientFactory, Tar
 
 
 @contextmanager
-def _server(tmp: Path) -> Iterator[tuple[str, str | None]]:
+def _server(tmp: Path, args: tuple[str, ...] = ()) -> Iterator[tuple[str, str | None]]:
     url = os.environ.get("HICACHE_BENCH_HICACHE_URL")
     if url:
         yield url, os.environ.get("HICACHE_BENCH_HICACHE_TOKEN")
@@ -31,15 +33,17 @@ def _server(tmp: Path) -> Iterator[tuple[str, str | None]]:
 
     capacity = os.environ.get("HICACHE_BENCH_HICACHE_CAPACITY", "8GiB")
     tmp.mkdir(parents=True, exist_ok=True)
-    with hicache_server(tmp, capacity=capacity, args=["--log-level", "WARNING"]) as srv:
+    with hicache_server(tmp, capacity=capacity, args=["--log-level", "WARNING", *args]) as srv:
         yield srv.url, None
 
 
 @contextmanager
-def _start(tmp: Path, shm: bool = True) -> Iterator[ClientFactory]:
+def _start(
+    tmp: Path, name: str = "hicache", shm: bool = True, args: tuple[str, ...] = ()
+) -> Iterator[ClientFactory]:
     from storage_backends.hicache_backend import HiCacheServerBackend
 
-    with _server(tmp / ("hicache" if shm else "hicache-tcp")) as (url, token):
+    with _server(tmp / name, args) as (url, token):
 
         def make() -> Client:
             extra: dict[str, Any] = {"url": url, "timeout_ms": 30000, "shm": shm}
@@ -50,4 +54,9 @@ def _start(tmp: Path, shm: bool = True) -> Iterator[ClientFactory]:
         yield make
 
 
-TARGETS = [Target("hicache", _start), Target("hicache-tcp", partial(_start, shm=False))]
+TARGETS = [
+    Target("hicache", _start),
+    Target("hicache-region", partial(_start, name="hicache-region",
+                                     args=("--shm-store-bytes", "0"))),
+    Target("hicache-tcp", partial(_start, name="hicache-tcp", shm=False)),
+]

@@ -34,6 +34,15 @@ class ServerConfig:
     reply_budget_bytes: int = DEFAULT_REPLY_BUDGET
     client_reply_budget_bytes: int = DEFAULT_CLIENT_REPLY_BUDGET
     shm_max_bytes: int = DEFAULT_SHM_MAX  # 0: shared-memory attaches refused (--no-shm)
+    shm_store_bytes: int = -1  # the arena's data bytes; -1: sized from capacity; 0: off
+
+    @property
+    def arena_bytes(self) -> int:
+        """Data bytes of the shared-memory store: `shm_store_bytes`, or by default the capacity
+        plus 1/8 (records take whole 4 KiB blocks); 0 (off) with an unbounded capacity."""
+        if self.shm_store_bytes >= 0:
+            return self.shm_store_bytes
+        return self.capacity_bytes + self.capacity_bytes // 8
 
 
 def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
@@ -61,6 +70,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         reply_budget_bytes=args.reply_budget,
         client_reply_budget_bytes=args.client_reply_budget,
         shm_max_bytes=0 if args.no_shm else args.shm_max_bytes,
+        shm_store_bytes=-1 if args.shm_store_bytes is None else args.shm_store_bytes,
     )
     return config, args.log_level
 
@@ -176,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_SHM_MAX),
         help="most bytes of client shared-memory regions mapped at once; beyond it the least "
         "recently used region is dropped (its client attaches again) (default 2GiB)",
+    )
+    p.add_argument(
+        "--shm-store-bytes",
+        type=_size,
+        default=None,
+        help="size of the shared-memory store: an arena in /dev/shm that holds the memory tier's "
+        "pages so that same-host clients read them in place (one copy, no socket bytes); space "
+        "is taken from /dev/shm only as pages are stored; 0 turns it off (same-host clients "
+        "then read through their own region, two copies) (default: --capacity plus 1/8; off "
+        "with --no-shm or an unbounded --capacity)",
     )
     p.add_argument(
         "--metrics-port",

@@ -56,7 +56,8 @@ class Metrics:
         self.page_bytes = pc.Counter(
             "hicache_server_page_bytes",
             "Page bytes received (dir=in: set) and sent (dir=out: get) per data path "
-            "(path=tcp: ZeroMQ frames, path=shm: a client's shared-memory region)",
+            "(path=tcp: ZeroMQ frames, path=shm: a client's shared-memory region, path=store: "
+            "read in place from the server's shared-memory store)",
             ["path", "dir"],
             registry=reg,
         )

@@ -28,8 +28,10 @@ from hicache.errors import StorageError
 # `detach_shm`). A message is encoded with the lowest version that has its type (`_SINCE`), so a
 # version-1 client and a version-2 server interoperate (the old client never sends a new type);
 # a new client asking an old server to attach gets an error reply and stays on TCP frames.
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+# Version 3 adds the shared-memory store (`map_store`, `shm_locate`): a same-host client reads
+# records in place from the server's arena (`storage_backends.server.arena`).
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 
 # A frame as it is sent (bytes or any buffer) or received (zmq.Frame exposes `.buffer`).
 Buffer = Union[bytes, bytearray, memoryview]
@@ -218,7 +220,9 @@ class DetachShmReply(Reply):
     TYPE: ClassVar[str] = "detach_shm_ok"
 
 
-def _check_descriptors(msg: Message, keys: list[str], offsets: list[int], sizes: list[int]) -> None:
+def _check_descriptors(
+    msg: Message, keys: list[Any], offsets: list[int], sizes: list[int]
+) -> None:
     if not len(keys) == len(offsets) == len(sizes):
         raise ProtocolError(
             ErrorCode.MALFORMED,
@@ -265,6 +269,47 @@ class ShmGetReply(Reply):
 
 
 @dataclass
+class MapStoreRequest(Request):
+    """Ask for the server's shared-memory store (its arena in /dev/shm), to map read-only."""
+
+    TYPE: ClassVar[str] = "map_store"
+
+
+@dataclass
+class MapStoreReply(Reply):
+    TYPE: ClassVar[str] = "map_store_ok"
+    name: str = ""  # file name in /dev/shm
+    size: int = 0  # the file's size in bytes
+    arena_id: int = 0  # also in the file's header: proves it is this server's arena
+
+
+@dataclass
+class ShmLocateRequest(Request):
+    """Where the records of `keys` are in the server's arena. Counts as a get (recency, hits).
+    Refused with `no_shm` when `arena_id` is not the server's arena (it restarted: map again)."""
+
+    TYPE: ClassVar[str] = "shm_locate"
+    arena_id: int = 0  # the arena the client has mapped
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ShmLocateReply(Reply):
+    """Per key: the record's length (-1: absent) and, when it is in the arena, its byte offset
+    and generation (offset -1: present but not in the arena; read it with `shm_get`). A copy is
+    valid when the generation entry of its first block still holds `gens[i]` after copying."""
+
+    TYPE: ClassVar[str] = "shm_locate_ok"
+    arena_id: int = 0
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    gens: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check_descriptors(self, self.gens, self.offsets, self.lengths)
+
+
+@dataclass
 class ErrorReply(Reply):
     TYPE: ClassVar[str] = "error"
     code: str = ErrorCode.INTERNAL
@@ -283,6 +328,8 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     DetachShmRequest,
     ShmSetRequest,
     ShmGetRequest,
+    MapStoreRequest,
+    ShmLocateRequest,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -296,6 +343,8 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     AttachShmReply,
     DetachShmReply,
     ShmGetReply,
+    MapStoreReply,
+    ShmLocateReply,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -309,7 +358,7 @@ _SINCE: dict[str, int] = {
         ShmGetRequest,
         ShmGetReply,
     )
-}
+} | {c.TYPE: 3 for c in (MapStoreRequest, MapStoreReply, ShmLocateRequest, ShmLocateReply)}
 
 
 @dataclass(frozen=True)

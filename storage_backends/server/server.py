@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from storage_backends.server import protocol as P
+from storage_backends.server.arena import Arena, supported
 from storage_backends.server.budget import ReplyBudget, cap_reply
 from storage_backends.server.cli import (  # noqa: F401 - re-exported
     AUTH_ENV,
@@ -34,7 +35,8 @@ from storage_backends.server.cli import (  # noqa: F401 - re-exported
 )
 from storage_backends.server.metrics import Metrics
 from storage_backends.server.shm import ShmAttachments, copy_in, copy_out
-from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes, tune_malloc
+from storage_backends.server.store import nbytes, tune_malloc
+from storage_backends.server.tiers import Tiers
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +44,16 @@ SERVER_VERSION = "0.1.0"
 _KEEP_FRAME_BYTES = 64 << 10
 _FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, bookkeeping)
 # The latency metric's `op` label: a get is a get whichever path its bytes take.
-_OP_LABEL = {P.ShmGetRequest.TYPE: "get", P.ShmSetRequest.TYPE: "set"}
+_OP_LABEL = {P.ShmGetRequest.TYPE: "get", P.ShmLocateRequest.TYPE: "get",
+             P.ShmSetRequest.TYPE: "set"}
 
 class HiCacheServer:
     """The server: `serve_forever()` until `stop()` (or SIGTERM/SIGINT in `main`)."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = PageStore(config.capacity_bytes)
-        self.persist: WriteBehind | None = None
-        if config.persist_dir:
-            self.persist = WriteBehind(
-                config.persist_dir,
-                max_pending=config.persist_queue,
-                capacity_bytes=config.persist_capacity_bytes,
-            )
-            logger.info(
-                "persistence at %s loaded %d pages (read into memory lazily, on first use)",
-                config.persist_dir,
-                self.persist.loaded_pages,
-            )
+        self.tiers = Tiers(config, self._make_arena())
+        self.store, self.persist = self.tiers.store, self.tiers.persist
         self.budget = ReplyBudget(config.reply_budget_bytes, config.client_reply_budget_bytes)
         self.shm = ShmAttachments(config.shm_max_bytes)
         self._token = config.auth_token.encode() if config.auth_token else None
@@ -88,10 +80,12 @@ class HiCacheServer:
             "tcp_page_bytes_out": 0,
             "shm_page_bytes_in": 0,
             "shm_page_bytes_out": 0,
+            "store_page_bytes_out": 0,  # located in the shared-memory store, read in place
         }
         self.metrics: Metrics | None = None
         if config.metrics_port is not None:
             self.metrics = Metrics(self, config.metrics_port)
+            self.tiers.metrics = self.metrics
         logger.info(
             "hicache-server %s listening on tcp://%s:%d (capacity %d bytes, auth %s, "
             "persistence %s, max frame %d bytes, shared memory %s%s)",
@@ -105,6 +99,20 @@ class HiCacheServer:
             f"up to {config.shm_max_bytes} bytes" if self.shm.enabled else "off",
             f", metrics on 127.0.0.1:{config.metrics_port}" if self.metrics else "",
         )
+
+    def _make_arena(self) -> Arena | None:
+        """The shared-memory store, when enabled and possible here (else None: logged)."""
+        size = self.config.arena_bytes
+        if size <= 0 or self.config.shm_max_bytes <= 0:
+            return None
+        if not supported():
+            logger.info("shared-memory store off: readers need x86-64 memory ordering")
+            return None
+        try:
+            return Arena(size)
+        except (OSError, ValueError) as e:
+            logger.warning("shared-memory store off: cannot create its arena: %s", e)
+            return None
 
     # -- loop -------------------------------------------------------------------------------
 
@@ -210,9 +218,7 @@ class HiCacheServer:
 
     def _shutdown(self) -> None:
         logger.info("shutting down (%d pages in memory)", self.store.pages)
-        if self.persist is not None:
-            n = self.persist.close()
-            logger.info("persistence flushed (%d pages written)", n)
+        self.tiers.close()
         self.shm.close()
         self._monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -321,9 +327,23 @@ class HiCacheServer:
         if isinstance(req, P.SetRequest):
             self._page_bytes("tcp_page_bytes_in", sum(len(f) for f in req.frames))
             return self._set(rid, keys, req.frames)
+        if isinstance(req, P.ShmLocateRequest):
+            arena = self._arena(rid)
+            if req.arena_id != arena.id:
+                raise P.ProtocolError(P.ErrorCode.NO_SHM, "the shared-memory store changed "
+                                      "(the server restarted): map it again", rid)
+            offsets, lengths, gens = self.tiers.locate(keys)
+            self._page_bytes("store_page_bytes_out",
+                             sum(n for n, o in zip(lengths, offsets) if o >= 0))
+            return P.ShmLocateReply(request_id=rid, arena_id=arena.id,
+                                    offsets=offsets, lengths=lengths, gens=gens)
+        if isinstance(req, P.MapStoreRequest):
+            arena = self._arena(rid)
+            return P.MapStoreReply(request_id=rid, name=arena.name, size=arena.size,
+                                   arena_id=arena.id)
         if isinstance(req, P.ShmGetRequest):
             region = self.shm.region(ident, rid)
-            lengths = copy_out(region, req, self._lookup(keys))
+            lengths = copy_out(region, req, self.tiers.lookup(keys), self.tiers.view)
             self._page_bytes("shm_page_bytes_out", sum(
                 n for n, c in zip(lengths, req.capacities) if 0 <= n <= c
             ))
@@ -332,7 +352,7 @@ class HiCacheServer:
             region = self.shm.region(ident, rid)
             records = copy_in(region, req, self.config.max_frame_bytes)
             self._page_bytes("shm_page_bytes_in", sum(req.lengths))
-            return self._set(rid, keys, records)
+            return P.SetReply(request_id=rid, stored=self.tiers.set(keys, records, transient=True))
         if isinstance(req, P.AttachShmRequest):
             self.shm.attach(ident, req.name, req.size, rid)
             return P.AttachShmReply(request_id=rid)
@@ -340,16 +360,11 @@ class HiCacheServer:
             self.shm.detach(ident)
             return P.DetachShmReply(request_id=rid)
         if isinstance(req, P.ExistsRequest):
-            return P.ExistsReply(request_id=rid, count=self._exists(keys))
+            return P.ExistsReply(request_id=rid, count=self.tiers.exists(keys))
         if isinstance(req, P.DeleteRequest):
-            n = self.store.delete(keys)
-            if self.persist is not None:
-                n = max(n, self.persist.delete(keys))
-            return P.DeleteReply(request_id=rid, deleted=n)
+            return P.DeleteReply(request_id=rid, deleted=self.tiers.delete(keys))
         if isinstance(req, P.ClearRequest):
-            self.store.clear()
-            if self.persist is not None:
-                self.persist.clear()
+            self.tiers.clear()
             logger.info("cleared by a client")
             return P.ClearReply(request_id=rid)
         if isinstance(req, P.StatsRequest):
@@ -363,68 +378,27 @@ class HiCacheServer:
             )
         raise P.ProtocolError(P.ErrorCode.UNKNOWN_TYPE, f"no handler for {req.TYPE}", rid)
 
-    def _exists(self, keys: list[str]) -> int:
-        flags = self.store.exists(keys)
-        run = 0
-        for key, in_memory in zip(keys, flags):
-            # A page may be in memory only (its persistence dropped) or on disk only (evicted
-            # from memory, or not read back since a restart): either counts.
-            if not in_memory and (self.persist is None or not self.persist.exists([key])[0]):
-                break
-            run += 1
-        return run
+    def _arena(self, rid: int) -> Arena:
+        if self.tiers.arena is None:
+            raise P.ProtocolError(P.ErrorCode.NO_SHM, "this server has no shared-memory store "
+                                  "(--no-shm, --shm-store-bytes 0, or not x86-64)", rid)
+        return self.tiers.arena
 
     def _reply_size(self, keys: list[str]) -> int:
         """Bytes of the reply `_get(keys)` would send (no side effects)."""
-        sizes = self.store.sizes(keys)
-        if self.persist is not None:
-            sizes = [n if n is not None else self.persist.size_of(k) for k, n in zip(keys, sizes)]
-        return cap_reply([-1 if n is None else n for n in sizes], self.budget.per_client_bytes)[1]
-
-    def _lookup(self, keys: list[str]) -> list[Value | None]:
-        """The pages of `keys` (None: absent), memory first, then persistence (promoted)."""
-        values = self.store.get(keys)
-        hits = sum(v is not None for v in values)
-        if hits < len(keys) and self.persist is not None:
-            missing = [i for i, v in enumerate(values) if v is None]
-            loaded = self.persist.get([keys[i] for i in missing])
-            for i, v in zip(missing, loaded):
-                if v is not None:
-                    values[i] = v
-                    self._put_memory(keys[i], v, persist=False)
-            hits = sum(v is not None for v in values)
-        if self.metrics is not None:
-            self.metrics.hits.inc(hits)
-            self.metrics.misses.inc(len(keys) - hits)
-        return values
+        return cap_reply(self.tiers.sizes(keys), self.budget.per_client_bytes)[1]
 
     def _get(self, rid: int, keys: list[str]) -> P.GetReply:
-        values = self._lookup(keys)
+        values = self.tiers.lookup(keys)
         # One reply carries at most --client-reply-budget bytes: the pages past it are answered
         # as absent (misses), so that one reply always fits the budget.
         lengths, _ = cap_reply([-1 if v is None else nbytes(v) for v in values],
                           self.budget.per_client_bytes)
         if any(n < 0 and v is not None for n, v in zip(lengths, values)):
             self.counters["reply_truncated"] += 1
-        frames = [v for v, n in zip(values, lengths) if n >= 0 and v is not None]
+        frames = [self.tiers.frame(v) for v, n in zip(values, lengths) if n >= 0 and v is not None]
         self._page_bytes("tcp_page_bytes_out", sum(n for n in lengths if n > 0))
         return P.GetReply(request_id=rid, lengths=lengths, frames=frames)
-
-    def _put_memory(self, key: str, value: Value, *, persist: bool, deadline: float = 0.0) -> bool:
-        ok, evicted = self.store.put(key, value)
-        if evicted:
-            logger.debug("evicted %d pages", len(evicted))
-            if self.metrics is not None:
-                self.metrics.evictions.inc(len(evicted))
-        if (
-            ok
-            and persist
-            and self.persist is not None
-            and not self.persist.enqueue(key, value, deadline)
-            and self.metrics is not None
-        ):
-            self.metrics.persist_dropped.inc()
-        return ok
 
     def _set(self, rid: int, keys: list[str], frames: list[Any]) -> P.SetReply:
         # NOTE: a large received frame is stored as is (a zmq.Frame: replies send it again with
@@ -432,29 +406,11 @@ class HiCacheServer:
         # messages out of a shared receive buffer, which a kept frame would pin, so the bytes
         # held would exceed the bytes counted against --capacity.
         frames = [bytes(f) if len(f) < _KEEP_FRAME_BYTES else f for f in frames]
-        # Overwrites never go back in time: the older persisted copies are removed before the
-        # new values are acknowledged (a key whose old file stays is refused, keeping its old
-        # value everywhere). Whatever then happens to the new value's write (queue full, disk
-        # full, crash), a later read finds the new value or nothing.
-        fresh = self.persist.supersede(keys) if self.persist is not None else [True] * len(keys)
-        # One wait budget per request for room in a full write-behind queue (back pressure).
-        deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
-        stored = [
-            ok and self._put_memory(k, v, persist=True, deadline=deadline)
-            for k, v, ok in zip(keys, frames, fresh)
-        ]
-        return P.SetReply(request_id=rid, stored=stored)
+        return P.SetReply(request_id=rid, stored=self.tiers.set(keys, frames, transient=False))
 
     def stats(self) -> dict[str, int]:
-        c = self.store.counters
-        out = {
-            "pages": self.store.pages,
-            "bytes": self.store.bytes,
-            "capacity_bytes": self.config.capacity_bytes,
-            "hits": c.hits,
-            "misses": c.misses,
-            "evictions": c.evictions,
-            "rejected": c.rejected,
+        return {
+            **self.tiers.stats(),
             "connected_clients": self.connected_clients,
             **self.counters,
             **self.budget.counters(),
@@ -462,9 +418,6 @@ class HiCacheServer:
             "shm_regions": len(self.shm),
             "shm_mapped_bytes": self.shm.mapped_bytes,
         }
-        if self.persist is not None:
-            out.update({f"persist_{k}": v for k, v in self.persist.counters().items()})
-        return out
 
 
 # --------------------------------------------------------------------------------------------

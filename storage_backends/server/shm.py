@@ -25,6 +25,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from storage_backends.server import protocol as P
@@ -177,9 +178,11 @@ def copy_in(region: Region, req: P.ShmSetRequest, max_record: int) -> list[bytes
     return [view[s].tobytes() for s in spans]
 
 
-def copy_out(region: Region, req: P.ShmGetRequest, values: list[Any]) -> list[int]:
-    """Write each present value into its slot when it fits; per key its length (-1: absent).
-    Every slot is checked before anything is written."""
+def copy_out(
+    region: Region, req: P.ShmGetRequest, values: list[Any], view_of: Callable[[Any], memoryview]
+) -> list[int]:
+    """Write each present value (its bytes: `view_of(value)`) into its slot when it fits; per
+    key its length (-1: absent). Every slot is checked before anything is written."""
     rid = req.request_id
     spans = [region.span(o, c, rid) for o, c in zip(req.offsets, req.capacities)]
     view = region.view
@@ -188,7 +191,7 @@ def copy_out(region: Region, req: P.ShmGetRequest, values: list[Any]) -> list[in
         if v is None:
             lengths.append(-1)
             continue
-        src = v if isinstance(v, memoryview) else memoryview(v)
+        src = view_of(v)
         n = src.nbytes
         if n <= s.stop - s.start:
             view[s.start : s.start + n] = src.cast("B") if src.format != "B" else src

@@ -1,7 +1,8 @@
 """The server's memory tier: opaque page records by key, a byte capacity, LRU eviction.
 
 Large values are kept as the buffers they arrived in (a received `zmq.Frame`), so a stored page
-is never copied on its way in or out.
+is never copied on its way in or out; or, with a shared-memory arena, as `ArenaSlot`s that
+same-host clients read in place (`storage_backends.server.arena`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from hicache.lru import LRUByteStore
+from storage_backends.server.arena import Arena, ArenaSlot
 
-# bytes, or any object with the buffer protocol and a byte length (a received zmq.Frame).
-Value = Union[bytes, bytearray, memoryview, Any]
+# bytes, or any object with the buffer protocol and a byte length (a received zmq.Frame), or an
+# ArenaSlot (len() is its length; its bytes are `PageStore.view(value)`). The write-behind queue
+# never holds an ArenaSlot (a freed slot's bytes change), only `HeapValue`s.
+HeapValue = Union[bytes, bytearray, memoryview, Any]
+Value = Union[HeapValue, ArenaSlot]
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +47,15 @@ class PageStore:
 
     `get` refreshes a page's recency, `exists` does not (a prefix probe is not a use).
     `set` of an existing key replaces it and makes it most recent. Eviction drops whole pages,
-    least recently used first, until the new page fits.
+    least recently used first, until the new page fits. With an `arena`, every value dropped
+    (evicted, replaced, deleted, cleared) that lives there gives its blocks back.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, arena: Arena | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.arena = arena
         self._lru: LRUByteStore[Value] = LRUByteStore(capacity_bytes, size=nbytes)
         self._lock = threading.Lock()
         self.counters = StoreCounters()
@@ -63,6 +70,18 @@ class PageStore:
 
     def __contains__(self, key: str) -> bool:
         return key in self._lru
+
+    def view(self, value: Value) -> memoryview:
+        """The bytes of a value held (an arena slot's only until it is dropped)."""
+        if isinstance(value, ArenaSlot):
+            assert self.arena is not None
+            return self.arena.view(value)
+        return value if isinstance(value, memoryview) else memoryview(value)
+
+    def _drop(self, values: Sequence[Value]) -> None:
+        for v in values:
+            if isinstance(v, ArenaSlot) and self.arena is not None:
+                self.arena.free(v)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -82,22 +101,48 @@ class PageStore:
             values = [self._lru.get(k, touch=False) for k in keys]
         return [None if v is None else nbytes(v) for v in values]
 
-    def put(self, key: str, value: Value) -> tuple[bool, list[str]]:
-        """Store one page; returns (stored, keys evicted to make room)."""
+    def put(self, key: str, value: Value, *, to_arena: bool = False) -> tuple[bool, list[str]]:
+        """Store one page; returns (stored, keys evicted to make room). `to_arena`: `value` is
+        a transient view (a client's region) whose bytes are copied, into the arena when it has
+        room, else into the heap."""
         with self._lock:
-            dropped = self._lru.put(key, value)
-            if dropped is None:
+            size = nbytes(value)
+            if self.capacity_bytes and size > self.capacity_bytes:
                 self.counters.rejected += 1
                 return False, []
+            old = self._lru.pop(key)
+            dropped = self._lru.make_room(size) or []
+            self._drop([v for _, v in dropped] + ([old] if old is not None else []))
+            if to_arena:
+                src = self.view(value)
+                slot = self.arena.store(src) if self.arena is not None else None
+                value = slot if slot is not None else src.tobytes()
+            self._lru.put(key, value)
             self.counters.evictions += len(dropped)
         return True, [k for k, _ in dropped]
 
+    def promote(self, key: str, value: Value) -> Value:
+        """Move a heap value held under `key` into the arena (same recency); what is held now."""
+        with self._lock:
+            if self.arena is None or isinstance(value, ArenaSlot):
+                return value
+            if self._lru.get(key, touch=False) is not value:
+                return value  # replaced or dropped meanwhile
+            slot = self.arena.store(self.view(value))
+            if slot is None:
+                return value
+            self._lru.replace(key, slot)
+            return slot
+
     def delete(self, keys: Sequence[str]) -> int:
         with self._lock:
-            return sum(self._lru.pop(k) is not None for k in keys)
+            dropped = [v for v in (self._lru.pop(k) for k in keys) if v is not None]
+            self._drop(dropped)
+            return len(dropped)
 
     def clear(self) -> None:
         with self._lock:
+            self._drop([self._lru[k] for k in self._lru])
             self._lru.clear()
 
     def lru_order(self) -> list[str]:
@@ -139,8 +184,8 @@ class WriteBehind:
         )
         self.max_pending = max_pending
         self.batch_pages = batch_pages
-        self._pending: OrderedDict[str, Value] = OrderedDict()
-        self._inflight: dict[str, Value] = {}
+        self._pending: OrderedDict[str, HeapValue] = OrderedDict()
+        self._inflight: dict[str, HeapValue] = {}
         self._cond = threading.Condition()
         self._io_lock = threading.Lock()  # held by the writer around each batch, and by delete
         self._closing = False
@@ -167,7 +212,7 @@ class WriteBehind:
                 "loaded": self.loaded_pages,
             }
 
-    def enqueue(self, key: str, value: Value, deadline: float) -> bool:
+    def enqueue(self, key: str, value: HeapValue, deadline: float) -> bool:
         """Queue `value` for writing; False (counted) when no room was free before `deadline`
         (a `time.monotonic()` value)."""
         with self._cond:
@@ -222,7 +267,7 @@ class WriteBehind:
                     return
             with self._io_lock:
                 with self._cond:
-                    batch: list[tuple[str, Value]] = []
+                    batch: list[tuple[str, HeapValue]] = []
                     while self._pending and len(batch) < self.batch_pages:
                         batch.append(self._pending.popitem(last=False))
                     self._inflight.update(batch)
@@ -251,8 +296,8 @@ class WriteBehind:
             logger.warning("reading persisted page %s failed: %s", key[:16], e)
             return None
 
-    def get(self, keys: Sequence[str]) -> list[Value | None]:
-        out: list[Value | None] = []
+    def get(self, keys: Sequence[str]) -> list[HeapValue | None]:
+        out: list[HeapValue | None] = []
         for k in keys:
             with self._cond:
                 v = self._pending.get(k)

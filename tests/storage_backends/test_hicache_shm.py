@@ -2,7 +2,9 @@
 server process: the region is used (no page byte crosses TCP), the TCP path is kept for
 `"shm": false`, the client falls back to TCP when the server refuses or cannot open the region,
 hostile descriptors and region files get error replies and never stop the server, a slot too
-small for a value is never overflowed, and a restarted server gets a fresh region."""
+small for a value is never overflowed, and a restarted server gets a fresh region. Tests of the
+read path run the server with its shared-memory store off (`REGION_ONLY`), so that reads go
+through the region too (the store is tested in test_hicache_store.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.storage_backends.hicache_server_proc import (
 )
 
 PAYLOAD = (256 << 10) - 128  # 256 KiB records
+REGION_ONLY = ["--shm-store-bytes", "0"]
 SHM_COUNTERS = ("tcp_page_bytes_in", "tcp_page_bytes_out", "shm_page_bytes_in",
                 "shm_page_bytes_out")
 
@@ -84,7 +87,7 @@ def test_plan_rounds_fit_the_region() -> None:
 def test_shm_client_moves_no_page_byte_over_tcp(tmp_path: Path) -> None:
     keys, recs = _pages("shm", 40)  # 10 MiB: more than one 4 MiB request, pipelined
     total = sum(len(r) for r in recs)
-    with hicache_server(tmp_path) as srv:
+    with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client()
         _roundtrip(b, keys, recs)
         st = b.server_stats()
@@ -114,7 +117,7 @@ def test_tcp_client_moves_no_page_byte_over_shm(tmp_path: Path) -> None:
 def test_batch_larger_than_the_region_goes_in_rounds(tmp_path: Path) -> None:
     keys, recs = _pages("rounds", 12)  # 3 MiB through a 1 MiB region: 3 rounds each way
     total = sum(len(r) for r in recs)
-    with hicache_server(tmp_path) as srv:
+    with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client(shm_bytes=1 << 20, batch_bytes=512 << 10)
         _roundtrip(b, keys, recs)
         assert _bytes(b.server_stats()) == {"tcp_page_bytes_in": 0, "tcp_page_bytes_out": 0,
@@ -125,7 +128,7 @@ def test_batch_larger_than_the_region_goes_in_rounds(tmp_path: Path) -> None:
 
 def test_record_larger_than_the_region_goes_over_tcp(tmp_path: Path) -> None:
     keys, recs = _pages("big", 3)
-    with hicache_server(tmp_path) as srv:
+    with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client(shm_bytes=64 << 10)  # smaller than one record
         _tcp_only_roundtrip(b, keys, recs)
         b.close()
@@ -290,7 +293,7 @@ def test_shrunk_region_is_detached_not_a_crash(tmp_path: Path, raw_conns: list[R
 
 def test_restarted_server_gets_a_fresh_region(tmp_path: Path) -> None:
     keys, recs = _pages("restart", 4)
-    with hicache_server(tmp_path, persist_dir=tmp_path / "pages") as srv:
+    with hicache_server(tmp_path, persist_dir=tmp_path / "pages", args=REGION_ONLY) as srv:
         b = srv.client()
         _roundtrip(b, keys, recs)
         srv.restart()  # the new server has no region for the pooled connection
@@ -309,7 +312,7 @@ def test_page_bytes_metric_by_path(tmp_path: Path) -> None:
     mport = free_port()
     keys, recs = _pages("metric", 2)
     total = sum(len(r) for r in recs)
-    with hicache_server(tmp_path, metrics_port=mport) as srv:
+    with hicache_server(tmp_path, metrics_port=mport, args=REGION_ONLY) as srv:
         b = srv.client()
         _roundtrip(b, keys, recs)
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read()
@@ -328,7 +331,7 @@ def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
     pages stored from a region are served as frames, bit for bit."""
     keys_t, recs_t = _pages("from-tcp", 4)
     keys_s, recs_s = _pages("from-shm", 4)
-    with hicache_server(tmp_path) as srv:
+    with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         tcp, shm = srv.client(shm=False), srv.client()
         assert tcp.batch_set(keys_t, [memoryview(r) for r in recs_t]) == [True] * 4
         assert shm.batch_set(keys_s, [memoryview(r) for r in recs_s]) == [True] * 4

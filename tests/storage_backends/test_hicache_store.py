@@ -1,0 +1,280 @@
+"""The server's shared-memory store (protocol v3): a same-host client reads records in place from
+the server's arena. The allocator and the arena's generations in-process; then, against a real
+`hicache-server`: reads are in place (no page byte through the region or TCP), a freed or
+overwritten record changes its generation so a copy made across the change is refused, records
+that find no room stay in the heap and are read through the region, a restarted server (with or
+without a store) is followed, arenas of dead servers are removed, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hicache.errors import StorageError
+from storage_backends.hicache_shm import StoreMap
+from storage_backends.server import protocol as P
+from storage_backends.server.arena import BLOCK, NAME_PREFIX, Arena, Extents, remove_stale
+from tests.procs import free_port
+from tests.storage_backends.hicache_server_proc import (
+    RawClient,
+    codec,
+    hicache_server,
+    page_key,
+    page_record,
+)
+
+PAYLOAD = (256 << 10) - 128  # 256 KiB records: 65 blocks each (the 128-byte header spills)
+
+
+def _pages(space: str, n: int) -> tuple[list[str], list[bytearray]]:
+    c = codec(PAYLOAD)
+    return [page_key(space, i) for i in range(n)], [page_record(c, space, i) for i in range(n)]
+
+
+def _read_back(b: object, keys: list[str], recs: list[bytearray]) -> None:
+    out = [memoryview(bytearray(len(r))) for r in recs]
+    assert b.batch_get(keys, out) == [True] * len(keys)  # type: ignore[attr-defined]
+    assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+
+
+def _ours_in_shm(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{NAME_PREFIX}{pid}-")]
+
+
+# -- in-process: allocator and generations ---------------------------------------------------
+
+
+def test_extents_first_fit_and_merge() -> None:
+    e = Extents(10)
+    assert [e.take(3), e.take(3), e.take(3)] == [0, 3, 6]
+    assert e.take(2) is None and e.free_blocks == 1
+    e.give(3, 3)
+    assert e.runs() == [(3, 3), (9, 1)]
+    e.give(0, 3)  # merges with the next run
+    assert e.runs() == [(0, 6), (9, 1)]
+    e.give(6, 3)  # merges with both neighbours
+    assert e.runs() == [(0, 10)] and e.free_blocks == 10
+    assert e.take(10) == 0 and e.runs() == []
+
+
+def test_arena_store_free_and_generations() -> None:
+    arena = Arena(4 * BLOCK)
+    try:
+        a = arena.store(memoryview(b"a" * (BLOCK + 1)))  # two blocks
+        b = arena.store(memoryview(b"b" * 10))
+        assert a is not None and b is not None
+        assert (a.offset - arena.data_start, a.blocks, b.offset - a.offset) == (0, 2, 2 * BLOCK)
+        assert bytes(arena.view(a)) == b"a" * (BLOCK + 1)
+        assert arena.gen_of(a.offset) == a.gen and a.gen != b.gen
+        assert arena.store(memoryview(b"c" * (2 * BLOCK))) is None  # one block left
+        assert arena.counters == {"arena_slots": 2, "arena_full": 1,
+                                  "arena_bytes": BLOCK + 11}
+        old = a.gen
+        arena.free(a)
+        assert a.gen == 0 and arena.gen_of(a.offset) not in (0, old)  # readers see the change
+        c = arena.store(memoryview(b"c" * (2 * BLOCK)))
+        assert c is not None and c.offset == a.offset and c.gen not in (0, old)
+        arena.free(b)
+        arena.free(b)  # twice: no effect
+        assert arena.counters["arena_slots"] == 1 and arena.used_blocks == 2
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.path)
+
+
+def test_client_map_checks_the_arena_id_and_refuses_a_copy_across_a_free() -> None:
+    arena = Arena(8 * BLOCK)
+    try:
+        with pytest.raises(StorageError, match="not the arena"):
+            StoreMap(arena.name, arena.size, arena.id + 2)
+        with pytest.raises(StorageError, match="not ours"):
+            StoreMap("../etc/passwd", arena.size, arena.id)
+        with pytest.raises(StorageError, match="bytes, not"):
+            StoreMap(arena.name, arena.size + 1, arena.id)
+        m = StoreMap(arena.name, arena.size, arena.id)
+        slot = arena.store(memoryview(b"x" * 100))
+        assert slot is not None
+        dst = memoryview(bytearray(100))
+        assert m.read(slot.offset, 100, slot.gen, dst) and bytes(dst) == b"x" * 100
+        gen = slot.gen
+        arena.free(slot)
+        arena.store(memoryview(b"y" * 100))  # the same blocks, new bytes
+        assert not m.read(slot.offset, 100, gen, dst)  # the old generation is gone
+        for off in (arena.data_start - BLOCK, slot.offset + 1, arena.size):  # not a block start
+            assert not m.read(off, 100, gen, dst)
+        assert not m.read(slot.offset, 99, gen, dst)  # not the caller's length
+        m.close()
+    finally:
+        arena.close()
+
+
+def test_remove_stale_unlinks_only_dead_servers_arenas(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{NAME_PREFIX}{dead.pid}-ab12"
+    alive = tmp_path / f"{NAME_PREFIX}{os.getpid()}-cd34"
+    other = tmp_path / "hicache-store-notes.txt"
+    for f in (stale, alive, other):
+        f.write_bytes(b"x")
+    assert remove_stale(str(tmp_path)) == 1
+    assert (stale.exists(), alive.exists(), other.exists()) == (False, True, True)
+
+
+# -- against a real server -------------------------------------------------------------------
+
+
+def test_reads_are_in_place_and_nothing_is_left_behind(tmp_path: Path) -> None:
+    keys, recs = _pages("inplace", 12)
+    total = sum(len(r) for r in recs)
+    with hicache_server(tmp_path) as srv:
+        b = srv.client()
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 12
+        _read_back(b, keys, recs)
+        st = b.server_stats()
+        assert (st["shm_page_bytes_in"], st["shm_page_bytes_out"], st["tcp_page_bytes_out"],
+                st["store_page_bytes_out"]) == (total, 0, 0, total)
+        assert (st["arena_slots"], st["arena_bytes"], st["arena_full"]) == (12, total, 0)
+        assert (b.arena_reads, b.arena_fallbacks, b.stats().errors) == (12, 0, 0)
+        # A page overwritten is read as its new value (new slot, new generation).
+        new = page_record(codec(PAYLOAD), "inplace", 0, version=2)
+        assert b.batch_set([keys[0]], [memoryview(new)]) == [True]
+        _read_back(b, [keys[0]], [new])
+        # A TCP client reads the same pages (copied out of the arena into frames).
+        tcp = srv.client(shm=False)
+        _read_back(tcp, keys[1:], recs[1:])
+        assert b.server_stats()["arena_slots"] == 12
+        b.delete(keys)
+        assert b.server_stats()["arena_slots"] == 0
+        assert srv.proc is not None
+        pid = srv.proc.pid
+        assert len(_ours_in_shm(pid)) == 1
+        tcp.close()
+        b.close()
+    assert _ours_in_shm(pid) == []  # the server unlinked its arena when it stopped
+
+
+def test_eviction_changes_the_generation_a_reader_checks(tmp_path: Path) -> None:
+    """A reader holding a location of a record that is then evicted (its blocks reused) finds
+    a new generation: the copy is refused, never served."""
+    keys, recs = _pages("evict", 6)
+    with hicache_server(tmp_path, capacity="800KiB") as srv:  # 3 records fit, 4 do not
+        b = srv.client()
+        raw = RawClient(srv.url)
+        try:
+            assert b.batch_set(keys[:3], [memoryview(r) for r in recs[:3]]) == [True] * 3
+            m = raw.call(P.MapStoreRequest())
+            assert isinstance(m, P.MapStoreReply)
+            stale = raw.call(P.ShmLocateRequest(arena_id=m.arena_id + 2, keys=keys[:3]))
+            assert isinstance(stale, P.ErrorReply) and stale.code == P.ErrorCode.NO_SHM
+            loc = raw.call(P.ShmLocateRequest(arena_id=m.arena_id, keys=keys[:3]))
+            assert isinstance(loc, P.ShmLocateReply) and loc.lengths == [len(recs[0])] * 3
+            assert loc.arena_id == m.arena_id
+            store = StoreMap(m.name, m.size, m.arena_id)
+            dst = memoryview(bytearray(len(recs[0])))
+            assert store.read(loc.offsets[0], loc.lengths[0], loc.gens[0], dst)
+            assert bytes(dst) == bytes(recs[0])
+            # Three more records evict the first three; their blocks are reused.
+            assert b.batch_set(keys[3:], [memoryview(r) for r in recs[3:]]) == [True] * 3
+            for off, n, gen in zip(loc.offsets, loc.lengths, loc.gens):
+                assert not store.read(off, n, gen, dst)
+            assert b.server_stats()["evictions"] == 3
+            # The client reads the survivors in place and misses the evicted ones.
+            _read_back(b, keys[3:], recs[3:])
+            out = [memoryview(bytearray(len(r))) for r in recs[:3]]
+            assert b.batch_get(keys[:3], out) == [False] * 3
+            store.close()
+        finally:
+            raw.close()
+            b.close()
+
+
+def test_records_without_room_in_the_arena_are_read_through_the_region(tmp_path: Path) -> None:
+    keys, recs = _pages("full", 6)
+    total = sum(len(r) for r in recs)
+    # An arena of 200 blocks holds 3 records of 65 blocks; the other 3 stay in the heap.
+    args = ["--shm-store-bytes", str(200 * BLOCK)]
+    with hicache_server(tmp_path, args=args) as srv:
+        b = srv.client()
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 6
+        st = b.server_stats()
+        assert (st["arena_slots"], st["arena_full"], st["pages"]) == (3, 3, 6)
+        _read_back(b, keys, recs)
+        # The heap records were located, found no room again, and went through the region.
+        assert (b.arena_reads, b.arena_fallbacks) == (3, 3)
+        st = b.server_stats()
+        assert st["store_page_bytes_out"] + st["shm_page_bytes_out"] == total
+        assert st["shm_page_bytes_out"] == sum(len(r) for r in recs[3:])
+        b.close()
+
+
+def test_pages_from_tcp_move_into_the_arena_when_read(tmp_path: Path) -> None:
+    keys, recs = _pages("promote", 4)
+    with hicache_server(tmp_path) as srv:
+        tcp, shm = srv.client(shm=False), srv.client()
+        assert tcp.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 4
+        assert shm.server_stats()["arena_slots"] == 0  # frames are kept as received
+        _read_back(shm, keys, recs)
+        assert shm.server_stats()["arena_slots"] == 4 and shm.arena_reads == 4
+        _read_back(shm, keys, recs)  # in place, no copy on the server any more
+        assert shm.arena_reads == 8
+        tcp.close()
+        shm.close()
+
+
+@pytest.mark.parametrize("second_store", [True, False])
+def test_a_restarted_server_is_followed(tmp_path: Path, second_store: bool) -> None:
+    keys, recs = _pages("restart", 4)
+    with hicache_server(tmp_path, persist_dir=tmp_path / "pages") as srv:
+        b = srv.client()
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 4
+        _read_back(b, keys, recs)  # maps the first server's store
+        first = b.server_stats()
+        assert first["store_page_bytes_out"] == sum(len(r) for r in recs)
+        if not second_store:
+            srv.args += ["--shm-store-bytes", "0"]
+        srv.restart()
+        _read_back(b, keys, recs)  # persisted pages, through the new store or the region
+        st = b.server_stats()
+        where = "store_page_bytes_out" if second_store else "shm_page_bytes_out"
+        assert st[where] == sum(len(r) for r in recs)
+        assert b.stats().errors == 0
+        b.close()
+
+
+def test_store_requests_on_a_server_without_a_store(tmp_path: Path) -> None:
+    with hicache_server(tmp_path, args=["--no-shm"]) as srv:
+        raw = RawClient(srv.url)
+        try:
+            for req in (P.MapStoreRequest(), P.ShmLocateRequest(keys=["k"])):
+                r = raw.call(req)
+                assert isinstance(r, P.ErrorReply) and r.code == P.ErrorCode.NO_SHM
+        finally:
+            raw.close()
+        b = srv.client()
+        keys, recs = _pages("nostore", 2)
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 2
+        _read_back(b, keys, recs)
+        assert (b.arena_reads, b.arena_fallbacks) == (0, 0)
+        assert b.server_stats()["tcp_page_bytes_out"] == sum(len(r) for r in recs)
+        b.close()
+
+
+def test_store_bytes_metric(tmp_path: Path) -> None:
+    mport = free_port()
+    keys, recs = _pages("metric", 2)
+    total = sum(len(r) for r in recs)
+    with hicache_server(tmp_path, metrics_port=mport) as srv:
+        b = srv.client()
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 2
+        _read_back(b, keys, recs)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read()
+        lines = [ln.split(" ") for ln in text.decode().splitlines() if ln and ln[0] != "#"]
+        metrics = {ln[0]: float(ln[1]) for ln in lines}
+        assert metrics['hicache_server_page_bytes_total{dir="in",path="shm"}'] == total
+        assert metrics['hicache_server_page_bytes_total{dir="out",path="store"}'] == total
+        assert metrics.get('hicache_server_page_bytes_total{dir="out",path="shm"}', 0) == 0
+        b.close()
