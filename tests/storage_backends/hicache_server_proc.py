@@ -342,3 +342,36 @@ class RawClient:
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+def churn_worker(url: str, worker: int, rounds: int, result_path: str, payload: int) -> None:
+    """`rounds` random sets and gets of up to 8 pages among 96 keys shared by every worker (one
+    record per key, so any hit has exactly one right value), against a server too small for
+    them all: records are evicted, and their blocks reused, while others read. Writes a JSON
+    summary to `result_path`."""
+    import json
+
+    c = codec(payload)
+    rng = random.Random(1000 + worker)
+    b = HiCacheServerBackend(
+        StorageConfig(extra={"url": url, "timeout_ms": 20000}, namespace=NAMESPACE.hex())
+    )
+    recs = {i: page_record(c, "churn", i) for i in range(96)}
+    res = {"hits": 0, "misses": 0, "wrong": 0}
+    try:
+        for _ in range(rounds):
+            idx = sorted({rng.randrange(96) for _ in range(rng.randint(1, 8))})
+            keys = [page_key("churn", i) for i in idx]
+            if rng.random() < 0.4:
+                b.batch_set(keys, [memoryview(recs[i]) for i in idx])
+                continue
+            out = [memoryview(bytearray(c.record_bytes)) for _ in idx]
+            for i, hit, buf in zip(idx, b.batch_get(keys, out), out):
+                res["hits" if hit else "misses"] += 1
+                res["wrong"] += hit and bytes(buf) != bytes(recs[i])
+        st = b.stats()
+        res.update(errors=st.errors, corrupt=st.corrupt_pages, arena_reads=b.arena_reads,
+                   arena_fallbacks=b.arena_fallbacks)
+    finally:
+        b.close()
+    Path(result_path).write_text(json.dumps(res))
