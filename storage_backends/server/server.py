@@ -34,7 +34,7 @@ from storage_backends.server.cli import (  # noqa: F401 - re-exported
     parse_size,
 )
 from storage_backends.server.metrics import Metrics
-from storage_backends.server.shm import ShmAttachments, copy_in, copy_out
+from storage_backends.server.shm import ShmAttachments, copy_out, records_in
 from storage_backends.server.store import nbytes, tune_malloc
 from storage_backends.server.tiers import Tiers
 
@@ -350,7 +350,7 @@ class HiCacheServer:
             return P.ShmGetReply(request_id=rid, lengths=lengths)
         if isinstance(req, P.ShmSetRequest):
             region = self.shm.region(ident, rid)
-            records = copy_in(region, req, self.config.max_frame_bytes)
+            records = records_in(region, req, self.config.max_frame_bytes)
             self._page_bytes("shm_page_bytes_in", sum(req.lengths))
             return P.SetReply(request_id=rid, stored=self.tiers.set(keys, records, transient=True))
         if isinstance(req, P.AttachShmRequest):

@@ -164,8 +164,9 @@ class ShmAttachments:
             self.detach(ident)
 
 
-def copy_in(region: Region, req: P.ShmSetRequest, max_record: int) -> list[bytes]:
-    """The records of a `shm_set`, copied out of the region (every descriptor checked first)."""
+def records_in(region: Region, req: P.ShmSetRequest, max_record: int) -> list[memoryview]:
+    """The records of a `shm_set`: views of the region (every descriptor checked first), valid
+    only while the request is handled (the caller copies them: `Tiers.set(transient=True)`)."""
     rid = req.request_id
     spans = [region.span(o, n, rid) for o, n in zip(req.offsets, req.lengths)]
     for n in req.lengths:
@@ -175,7 +176,7 @@ def copy_in(region: Region, req: P.ShmSetRequest, max_record: int) -> list[bytes
                 rid,
             )
     view = region.view
-    return [view[s].tobytes() for s in spans]
+    return [view[s] for s in spans]
 
 
 def copy_out(
