@@ -23,7 +23,6 @@ import os
 import re
 import secrets
 import stat
-import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import zmq
 
 from hicache.errors import StorageError
 from storage_backends.server import protocol as P
+from storage_backends.server.arena import BLOCK, HEADER, HEADER_BYTES, MAGIC, NAME_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -296,11 +296,7 @@ def shm_get(
 
 # -- the server's shared-memory store (protocol v3) ------------------------------------------
 
-STORE_NAME = re.compile(r"hicache-store-[0-9]+-[0-9a-f]+")
-_HEADER = struct.Struct("<8sQQQQ")  # as `storage_backends.server.arena.HEADER`
-_HEADER_BYTES = 64
-_MAGIC = b"HCARENA1"
-_BLOCK = 4096
+STORE_NAME = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
 # A record the client must read another way (`shm_get` or TCP): not in the arena, or changed
 # while it was copied.
 NOT_MAPPED = -2
@@ -322,25 +318,25 @@ class StoreMap:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
                 raise StorageError(f"{path} is not a private file of this user")
-            if st.st_size != size or size < _HEADER_BYTES:
+            if st.st_size != size or size < HEADER_BYTES:
                 raise StorageError(f"{path} is {st.st_size} bytes, not {size}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self.buf = memoryview(self._mm)
-        magic, aid, block, table, data = _HEADER.unpack_from(self.buf, 0)
-        self.data_start = -(-(_HEADER_BYTES + table) // _BLOCK) * _BLOCK
-        if (magic, aid, block) != (_MAGIC, arena_id, _BLOCK) or self.data_start + data != size:
+        magic, aid, block, table, data = HEADER.unpack_from(self.buf, 0)
+        self.data_start = -(-(HEADER_BYTES + table) // BLOCK) * BLOCK
+        if (magic, aid, block) != (MAGIC, arena_id, BLOCK) or self.data_start + data != size:
             self.close()
             raise StorageError(f"{path} is not the arena {arena_id} of the server")
         self.id = arena_id
         self.size = size
-        self._gens = self.buf[_HEADER_BYTES : _HEADER_BYTES + table].cast("Q")
+        self._gens = self.buf[HEADER_BYTES : HEADER_BYTES + table].cast("Q")
 
     def read(self, offset: int, length: int, gen: int, dst: memoryview) -> bool:
         """Copy the record at `offset` into `dst` (exactly `length` bytes); False when the
         descriptor is outside the data, or the record was freed before or during the copy."""
-        block, rem = divmod(offset - self.data_start, _BLOCK)
+        block, rem = divmod(offset - self.data_start, BLOCK)
         if block < 0 or rem or length != len(dst) or not offset < offset + length <= self.size:
             return False
         if self._gens[block] != gen:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from storage_backends.server.arena import Arena, ArenaSlot
+from storage_backends.server.arena import BLOCK, Arena, ArenaSlot
 from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class Tiers:
         }
         if self.arena is not None:
             out.update(self.arena.counters)
-            out["arena_capacity_bytes"] = self.arena.blocks * 4096
+            out["arena_capacity_bytes"] = self.arena.blocks * BLOCK
         if self.persist is not None:
             out.update({f"persist_{k}": v for k, v in self.persist.counters().items()})
         return out
