@@ -25,6 +25,7 @@ __all__ = [
     "as_bool",
     "byte_view",
     "check_known_keys",
+    "each_key_once",
     "leading_run",
     "parse_bytes",
     "setting",
@@ -116,3 +117,29 @@ def byte_view(buf: memoryview | bytes | bytearray) -> memoryview:
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
+
+
+def each_key_once(
+    keys: Sequence[str],
+    out: Sequence[memoryview],
+    get_into: Callable[[Sequence[str], Sequence[memoryview]], list[int]],
+) -> list[int]:
+    """`get_into(keys, out)` for a batch that names a key more than once: each key is read once
+    (into its first buffer) and copied to the other buffers that asked for it. Per key, the
+    stored length (-1: absent), as `get_into` returns."""
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    idx = list(first.values())
+    got = get_into([keys[i] for i in idx], [out[i] for i in idx])
+    res = [-1] * len(keys)
+    for i, n in zip(idx, got):
+        res[i] = n
+    for i, k in enumerate(keys):
+        f = first[k]
+        if i != f:
+            res[i] = n = res[f]
+            dst, src = byte_view(out[i]), byte_view(out[f])
+            if n >= 0 and n == len(dst) == len(src):
+                dst[:] = src
+    return res

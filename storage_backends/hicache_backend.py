@@ -42,9 +42,10 @@ from typing import ClassVar, TypeVar
 
 import zmq
 
+from hicache.backend import Checked, RecordChecker
 from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
-from storage_backends.common import Backoff, byte_view, check_known_keys, setting
+from storage_backends.common import Backoff, byte_view, check_known_keys, each_key_once, setting
 from storage_backends.hicache_shm import (
     NOT_MAPPED,
     SHM_REFUSALS,
@@ -288,16 +289,13 @@ class HiCacheServerBackend(StorageBackend):
         else:
             logger.debug("hicache backend: %s failed: %s", op, e)
 
-    def _chunks(self, n: int, sizes: Sequence[int] | None = None) -> list[range]:
-        return split(n, sizes, self.batch_keys, self.batch_bytes)
-
     # -- the contract -----------------------------------------------------------------------
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         self._count(exists_calls=1)
         if not keys:
             return 0
-        chunks = self._chunks(len(keys))
+        chunks = split(len(keys), None, self.batch_keys, self.batch_bytes)
         try:
             replies = self._call(
                 [P.ExistsRequest(keys=list(keys[c.start : c.stop])) for c in chunks], P.ExistsReply
@@ -312,24 +310,30 @@ class HiCacheServerBackend(StorageBackend):
                 break
         return run
 
-    def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        # Records read in place are checked (off this thread) while the next ones are copied.
+        checker = RecordChecker(self, len(keys))
+        early: set[int] = set()
+
+        def landed(i: int, n: int) -> None:
+            early.add(i)
+            checker.add(i, keys[i], n, out[i])
+
+        lengths = self._get_into(keys, out, landed)
+        for i, n in enumerate(lengths):
+            if i not in early:
+                checker.add(i, keys[i], n, out[i])
+        return [c if n >= 0 else Checked(-1, None)
+                for c, n in zip(checker.results(), lengths)]
+
+    def _get_into(
+        self,
+        keys: Sequence[str],
+        out: Sequence[memoryview],
+        landed: Callable[[int, int], None] | None = None,
+    ) -> list[int]:
         if len(set(keys)) != len(keys):  # the server refuses repeated keys: ask for each once
-            first: dict[str, int] = {}
-            for i, k in enumerate(keys):
-                first.setdefault(k, i)
-            idx = list(first.values())
-            got = self._get_into([keys[i] for i in idx], [out[i] for i in idx])
-            res = [-1] * len(keys)
-            for i, n in zip(idx, got):
-                res[i] = n
-            for i, k in enumerate(keys):
-                f = first[k]
-                if i != f:
-                    res[i] = n = res[f]
-                    dst, src = byte_view(out[i]), byte_view(out[f])
-                    if n >= 0 and n == len(dst) == len(src):
-                        dst[:] = src
-            return res
+            return each_key_once(keys, out, self._get_into)
         views = [byte_view(o) for o in out]
         res = [-1] * len(keys)
         chunks: list[range] = []
@@ -358,7 +362,7 @@ class HiCacheServerBackend(StorageBackend):
             idx = list(range(len(keys)))
             store = self._store_map(conn) if conn.region is not None else None
             if store is not None:  # in place from the server's arena; the rest another way
-                res[:] = locate_get(exchange, store, keys, views, self.batch_keys)
+                res[:] = locate_get(exchange, store, keys, views, self.batch_keys, landed)
                 idx = [i for i, n in enumerate(res) if n == NOT_MAPPED]
                 self._count_arena(len(keys) - len(idx), len(idx))
                 if not idx:
@@ -371,7 +375,8 @@ class HiCacheServerBackend(StorageBackend):
                     res[i] = n
                 return []
             tcp_idx[:] = idx
-            chunks[:] = self._chunks(len(idx), [len(views[i]) for i in idx])
+            chunks[:] = split(len(idx), [len(views[i]) for i in idx], self.batch_keys,
+                              self.batch_bytes)
             reqs = [P.GetRequest(keys=[keys[idx[j]] for j in c]) for c in chunks]
             return exchange(reqs, copy_out)
 
@@ -445,7 +450,7 @@ class HiCacheServerBackend(StorageBackend):
             replies = self._call(
                 [
                     P.DeleteRequest(keys=list(keys[c.start : c.stop]))
-                    for c in self._chunks(len(keys))
+                    for c in split(len(keys), None, self.batch_keys, self.batch_bytes)
                 ],
                 P.DeleteReply,
             )

@@ -369,10 +369,12 @@ def locate_get(
     keys: Sequence[str],
     out: Sequence[memoryview],
     batch_keys: int,
+    landed: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Read `keys` into `out` from the server's arena: per key the stored length (-1: absent;
-    `NOT_MAPPED`: read it another way). Raises `ShmLost` when the server's arena is not the one
-    mapped (it restarted)."""
+    `NOT_MAPPED`: read it another way). `landed(i, length)` runs as each record is copied (its
+    check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
+    one mapped (it restarted)."""
     res = [-1] * len(keys)
     chunks = [range(i, min(i + batch_keys, len(keys))) for i in range(0, len(keys), batch_keys)]
 
@@ -393,6 +395,8 @@ def locate_get(
                 res[i] = n  # the caller sees the wrong length: a miss, nothing copied
             else:
                 res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
+                if landed is not None and res[i] == n:
+                    landed(i, n)
 
     exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
              copy)

@@ -28,8 +28,7 @@ from hicache.errors import StorageError
 # `detach_shm`). A message is encoded with the lowest version that has its type (`_SINCE`), so a
 # version-1 client and a version-2 server interoperate (the old client never sends a new type);
 # a new client asking an old server to attach gets an error reply and stays on TCP frames.
-# Version 3 adds the shared-memory store (`map_store`, `shm_locate`): a same-host client reads
-# records in place from the server's arena (`storage_backends.server.arena`).
+# Version 3 adds the shared-memory store (`map_store`, `shm_locate`; server/arena.py).
 PROTOCOL_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
 
@@ -271,7 +270,6 @@ class ShmGetReply(Reply):
 @dataclass
 class MapStoreRequest(Request):
     """Ask for the server's shared-memory store (its arena in /dev/shm), to map read-only."""
-
     TYPE: ClassVar[str] = "map_store"
 
 
