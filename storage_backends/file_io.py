@@ -123,8 +123,9 @@ class ReadFanOut:
 
     With `auto`, only while a core is free for them: the caller's run-queue delay
     (`wait_clock`, default `cpu_wait_ns`) is measured over every batch that could fan out, and
-    while it exceeds `BUSY_SHARE` of the batch time of the last full window of `window_ns`, the
-    batch is read by the caller alone. Where the delay is unknown, batches always fan out.
+    while it exceeds `BUSY_SHARE` of the batch time of the last full window of `window_ns` (or
+    no window is complete yet), the batch is read by the caller alone. Where the delay is
+    unknown, batches always fan out.
     """
 
     def __init__(
@@ -140,7 +141,9 @@ class ReadFanOut:
         self.wait_clock = wait_clock or cpu_wait_ns
         self.window_ns = window_ns
         self.fanned_out = 0  # batches read by more than one thread (for tests and tuning)
-        self.busy = 0.0  # share of the last window's batch time spent waiting for a CPU
+        # Share of the last window's batch time spent waiting for a CPU; until a window is
+        # measured, taken as busy: a burst of fresh processes must not all fan out at once.
+        self.busy = 1.0
         self._window = [0, 0]  # run-queue wait and batch time (ns) of the current window
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None

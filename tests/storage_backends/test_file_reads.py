@@ -104,15 +104,17 @@ def test_busy_cpus_read_inline_with_the_same_results_and_checks(tmp_path: Path) 
         assert b.fanned_out_batches == expect_fanned
         return [b.read_by[k] for k in keys]
 
-    # Nothing measured yet: fanned out. The caller then waited for a CPU (10 s per batch).
+    # Nothing measured yet: taken as busy, so the caller reads alone; no wait meanwhile.
+    assert read(expect_fanned=0) == ["MainThread"] * 8
+    assert b._fan_out.busy == 0
+    # A free core: fanned out. The caller then waited for a CPU (10 s per batch).
     clock.step = 10**10
     who = read(expect_fanned=1)
     assert who[:2] == ["MainThread"] * 2
     assert all(t.startswith("hicache-file-read") for t in who[2:])
     assert b._fan_out.busy > 1
     # Busy cores: the caller reads the whole batch; same records, same corrupt page caught.
-    assert read(expect_fanned=1) == ["MainThread"] * 8
-    # That inline batch was measured too: no wait now, so the next batch fans out again.
+    # That inline batch is measured too: with no wait, the next batch fans out again.
     clock.step = 0
     assert read(expect_fanned=1) == ["MainThread"] * 8
     assert b._fan_out.busy == 0
@@ -131,6 +133,7 @@ def test_unverified_reads_take_the_same_paths(tmp_path: Path) -> None:
     recs = make_records(codec, keys)
     assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 8
     b.path_of(keys[3]).unlink()
+    b._fan_out.busy = 0.0
     clock.step = 10**10
     for fanned in (1, 1):  # fanned out, then inline
         out = buffers(8, codec.record_bytes)
