@@ -16,6 +16,7 @@ Versions (the reader accepts both; the writer writes the newest):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
@@ -54,8 +55,10 @@ _DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _LAYOUTS = {v: k for k, v in LAYOUT_CODES.items()}
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def key_digest(key: str) -> bytes:
-    """The 32 bytes a record carries to name its key (a misplaced record is detected by it)."""
+    """The 32 bytes a record carries to name its key (a misplaced record is detected by it).
+    Cached: the page written is soon read back, and a popular page is read again and again."""
     return hashlib.sha256(key.encode()).digest()
 
 
