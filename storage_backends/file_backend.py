@@ -334,16 +334,19 @@ class FileBackend(StorageBackend):
         except OSError as e:
             self._io_error("read", key, e)
             return _MISSING
-        with self._lock:
-            if self._index.get(name) == n:
-                self._index.move_to_end(name)  # LRU: most recently used last
-                changed = False
-            else:
-                self._index_put(name, n)  # written by another object / process
-                changed = True
-        if changed:
-            self._gauges()
-        return Checked(n, self.check_record(key, n, dst) if check else None)
+        # Checked first, while the record is still in cache.
+        problem = self.check_record(key, n, dst) if check else None
+        if self.capacity_bytes or self._index.get(name) != n:  # no cap: no LRU order to keep
+            with self._lock:
+                if self._index.get(name) == n:
+                    self._index.move_to_end(name)  # LRU: most recently used last
+                    changed = False
+                else:
+                    self._index_put(name, n)  # written by another object / process
+                    changed = True
+            if changed:
+                self._gauges()
+        return Checked(n, problem)
 
     def _read(self, path: str, dst: memoryview) -> int:
         """Read the file into `dst` when its size is len(dst); return the file's size (or the
