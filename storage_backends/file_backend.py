@@ -24,7 +24,9 @@ key                   meaning                                             defaul
                       ``always`` (fsync the file and its directory)
 ``o_direct``          use O_DIRECT where the buffer's address is 4 KiB    false
                       aligned (buffered I/O otherwise)
-``read_threads``      threads that read (and check) one batch             4
+``read_threads``      threads that read (and check) one batch             CPUs, at most 4
+``fan_out``           ``auto``: more than one thread only while the       ``auto``
+                      reader gets a CPU at once; ``always``
 ``scan_on_start``     build the index from the directory at start-up      true
 ``stale_tmp_s``       age after which any temp file is removed at          3600
                       start-up (a temp file of a dead local pid goes now)
@@ -45,7 +47,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
@@ -55,7 +56,9 @@ from storage_backends.common import byte_view, check_known_keys, parse_bytes, se
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     O_DIRECT,
+    ReadFanOut,
     address,
+    default_read_threads,
     publish,
     read_file,
 )
@@ -63,11 +66,10 @@ from storage_backends.file_io import (
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = (
-    "path", "capacity_bytes", "fsync", "o_direct", "read_threads", "scan_on_start", "stale_tmp_s"
+    "path", "capacity_bytes", "fsync", "o_direct", "read_threads", "fan_out", "scan_on_start",
+    "stale_tmp_s",
 )
-DEFAULT_READ_THREADS = 4
-# A thread hand-off costs tens of microseconds: smaller batches are read by the caller alone.
-PARALLEL_READ_BYTES = 256 << 10
+FAN_OUT_POLICIES = ("auto", "always")
 FSYNC_POLICIES = ("none", "data", "always")
 _HEX_KEY = re.compile(r"[0-9a-f]{8,128}")
 _PAGE_NAME = re.compile(r"(?:[0-9a-f]{8,128}|x[0-9a-f]{64})")
@@ -106,9 +108,12 @@ class FileBackend(StorageBackend):
         self.fsync = setting(config, "fsync", "none", cast=str)
         self.o_direct = setting(config, "o_direct", False) and bool(O_DIRECT)
         self.stale_tmp_s = setting(config, "stale_tmp_s", 3600.0)
-        self.read_threads = setting(config, "read_threads", DEFAULT_READ_THREADS)
+        self.read_threads = setting(config, "read_threads", default_read_threads())
         if self.read_threads < 1:
             raise ConfigError("file backend: read_threads must be >= 1")
+        fan_out = setting(config, "fan_out", "auto", cast=str)
+        if fan_out not in FAN_OUT_POLICIES:
+            raise ConfigError(f"file backend: fan_out must be one of {FAN_OUT_POLICIES}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"file backend: fsync must be one of {FSYNC_POLICIES}")
         if self.capacity_bytes < 0:
@@ -124,8 +129,7 @@ class FileBackend(StorageBackend):
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:32] or "host"
         self._warned_io = False
         self._closed = False
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
+        self._fan_out = ReadFanOut(self.read_threads, auto=fan_out == "auto")
         self.direct_reads = 0  # reads done with O_DIRECT (for tests and tuning)
         self.direct_writes = 0
         try:
@@ -301,34 +305,21 @@ class FileBackend(StorageBackend):
     def _read_batch(
         self, keys: Sequence[str], out: Sequence[memoryview], *, check: bool
     ) -> list[Checked]:
-        """Read `keys` into `out` with up to `read_threads` threads (contiguous slices of the
-        batch, at least `PARALLEL_READ_BYTES` each; the caller's thread takes the first)."""
-        n = len(keys)
-        total = sum(memoryview(o).nbytes for o in out)
-        res: list[Checked] = [_MISSING] * n
+        """Read `keys` into `out`, in up to `read_threads` threads while cores are free
+        (`ReadFanOut`); each record is checked by the thread that read it, right after."""
+        res: list[Checked] = [_MISSING] * len(keys)
 
         def work(lo: int, hi: int) -> None:
             for i in range(lo, hi):
                 res[i] = self._read_one(keys[i], byte_view(out[i]), check)
 
-        parts = max(1, min(self.read_threads, n, total // PARALLEL_READ_BYTES))
-        bounds = [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
-        futures = [self._executor().submit(work, lo, hi) for lo, hi in bounds[1:]]
-        try:
-            work(*bounds[0])
-        finally:
-            for f in futures:
-                f.result()
+        self._fan_out.run(work, out)
         return res
 
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():  # none yet, or forked
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.read_threads - 1, thread_name_prefix="hicache-file-read"
-                )
-                self._pool_pid = os.getpid()
-            return self._pool
+    @property
+    def fanned_out_batches(self) -> int:
+        """Batches read by more than one thread (for tests and tuning)."""
+        return self._fan_out.fanned_out
 
     def _read_one(self, key: str, dst: memoryview, check: bool) -> Checked:
         name = page_name(key)
@@ -343,16 +334,19 @@ class FileBackend(StorageBackend):
         except OSError as e:
             self._io_error("read", key, e)
             return _MISSING
-        with self._lock:
-            if self._index.get(name) == n:
-                self._index.move_to_end(name)  # LRU: most recently used last
-                changed = False
-            else:
-                self._index_put(name, n)  # written by another object / process
-                changed = True
-        if changed:
-            self._gauges()
-        return Checked(n, self.check_record(key, n, dst) if check else None)
+        # Checked first, while the record is still in cache.
+        problem = self.check_record(key, n, dst) if check else None
+        if self.capacity_bytes or self._index.get(name) != n:  # no cap: no LRU order to keep
+            with self._lock:
+                if self._index.get(name) == n:
+                    self._index.move_to_end(name)  # LRU: most recently used last
+                    changed = False
+                else:
+                    self._index_put(name, n)  # written by another object / process
+                    changed = True
+            if changed:
+                self._gauges()
+        return Checked(n, problem)
 
     def _read(self, path: str, dst: memoryview) -> int:
         """Read the file into `dst` when its size is len(dst); return the file's size (or the
@@ -474,10 +468,7 @@ class FileBackend(StorageBackend):
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pool_pid == os.getpid():
-            pool.shutdown(wait=True)
+        self._fan_out.close()
 
     # -- helpers --------------------------------------------------------------------------
 

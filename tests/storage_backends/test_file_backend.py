@@ -16,12 +16,8 @@ import torch
 
 from hicache.errors import ConfigError
 from hicache.storage import HEADER_BYTES, StorageConfig
-from storage_backends.file_backend import (
-    PARALLEL_READ_BYTES,
-    FileBackend,
-    default_dir,
-    page_name,
-)
+from storage_backends.file_backend import FileBackend, default_dir, page_name
+from storage_backends.file_io import PARALLEL_READ_BYTES, default_read_threads
 from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,8 +207,8 @@ class _WhoReads(FileBackend):
 
 
 def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None:
-    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4},
-                                namespace=NAMESPACE.hex()))
+    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4,
+                                       "fan_out": "always"}, namespace=NAMESPACE.hex()))
     codec = make_codec(PARALLEL_READ_BYTES)  # 8 x 256 KiB: four slices of two pages
     keys = make_keys(8)
     recs = make_records(codec, keys)
@@ -241,7 +237,8 @@ def test_batch_reads_run_in_parallel_into_caller_buffers(tmp_path: Path) -> None
 
 
 def test_small_batches_are_read_by_the_caller(tmp_path: Path) -> None:
-    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path)}, namespace=NAMESPACE.hex()))
+    b = _WhoReads(StorageConfig(extra={"path": str(tmp_path), "read_threads": 4,
+                                       "fan_out": "always"}, namespace=NAMESPACE.hex()))
     codec = make_codec(PARALLEL_READ_BYTES // 4)  # 8 records: two slices' worth of bytes
     keys = make_keys(8)
     assert b.batch_set(keys, views(make_records(codec, keys))) == [True] * 8
@@ -256,10 +253,15 @@ def test_small_batches_are_read_by_the_caller(tmp_path: Path) -> None:
 
 
 def test_read_threads_config(tmp_path: Path) -> None:
-    assert fb(tmp_path).read_threads == 4
+    assert fb(tmp_path).read_threads == default_read_threads()
+    assert default_read_threads() == max(1, min(4, len(os.sched_getaffinity(0))))
     assert fb(tmp_path, read_threads=1).read_threads == 1
     with pytest.raises(ConfigError, match="read_threads"):
         fb(tmp_path, read_threads=0)
+    assert fb(tmp_path)._fan_out.auto
+    assert not fb(tmp_path, fan_out="always")._fan_out.auto
+    with pytest.raises(ConfigError, match="fan_out"):
+        fb(tmp_path, fan_out="never")
     assert fb(tmp_path, capacity_bytes="2MiB").capacity_bytes == 2 << 20
 
 
@@ -360,7 +362,7 @@ def test_scan_removes_pages_over_capacity_lazily(tmp_path: Path) -> None:
 # -- corruption and crash debris -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("damage", ["truncate", "bit-flip", "misplaced", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "bit-flip", "misplaced", "empty", "extended"])
 def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage: str) -> None:
     codec = make_codec(4000)
     keys = make_keys(3)
@@ -376,6 +378,8 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage: str)
         victim.write_bytes(data)
     elif damage == "misplaced":
         os.replace(b.path_of(keys[2]), victim)  # another key's valid record, renamed in place
+    elif damage == "extended":
+        victim.write_bytes(data + b"tail")  # a valid record and then some
     else:
         victim.write_bytes(b"")
     out = buffers(2, codec.record_bytes)
