@@ -169,8 +169,9 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def _get_into(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[int]:
-        """Raw read. Per key: the stored value's length, or -1 when absent. The bytes are copied
-        into `out[i]` only when that length equals `len(out[i])`."""
+        """Raw read. Per key: the stored value's length, or -1 when absent. `out[i]` holds the
+        record only when that length equals `len(out[i])`; otherwise its contents are
+        unspecified (a backend may have read part of a longer or shorter value into it)."""
 
     def _set_from(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         """Raw write of a non-empty batch (`len(keys) == len(values)` is checked): per key,
