@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 import zmq
@@ -354,11 +354,7 @@ class HiCacheServerBackend(StorageBackend):
             r.frames = []  # release the received buffers now
 
         def work(conn: _Conn) -> list[P.Reply]:
-            def exchange(
-                reqs: Iterable[P.Request], cb: Callable[[int, P.Reply], None] | None
-            ) -> list[P.Reply]:
-                return conn.exchange(reqs, cb)
-
+            exchange = conn.exchange
             idx = list(range(len(keys)))
             store = self._store_map(conn) if conn.region is not None else None
             if store is not None:  # in place from the server's arena; the rest another way

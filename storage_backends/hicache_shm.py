@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import zmq
 from hicache.errors import StorageError
 from storage_backends.server import protocol as P
 from storage_backends.server.arena import BLOCK, HEADER, HEADER_BYTES, MAGIC, NAME_PREFIX
+from storage_backends.server.shm import private_file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -313,13 +313,13 @@ class StoreMap:
         if not STORE_NAME.fullmatch(name):
             raise StorageError(f"shared-memory store name {name!r} is not ours")
         path = os.path.join(SHM_DIR, name)
+        if size < HEADER_BYTES:
+            raise StorageError(f"a store of {size} bytes is smaller than its header")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise StorageError(f"{path} is not a private file of this user")
-            if st.st_size != size or size < HEADER_BYTES:
-                raise StorageError(f"{path} is {st.st_size} bytes, not {size}")
+            problem = private_file_problem(os.fstat(fd), size)
+            if problem is not None:
+                raise StorageError(f"{path} {problem}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -376,7 +376,7 @@ def locate_get(
     check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
     one mapped (it restarted)."""
     res = [-1] * len(keys)
-    chunks = [range(i, min(i + batch_keys, len(keys))) for i in range(0, len(keys), batch_keys)]
+    chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
 
     def copy(i_req: int, r: P.Reply) -> None:
         c = chunks[i_req]

@@ -40,6 +40,21 @@ def _refuse(message: str, rid: int) -> P.ProtocolError:
     return P.ProtocolError(P.ErrorCode.NO_SHM, message, rid)
 
 
+def private_file_problem(st: os.stat_result, size: int) -> str | None:
+    """Why an opened file in /dev/shm may not be mapped by a peer of this user (it must be a
+    regular file of this user, mode 0600, of exactly `size` bytes), or None. Used by the server
+    for a client's region and by the client for the server's store."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return "belongs to another user"
+    if st.st_mode & 0o077:
+        return "is readable by others (mode must be 0600)"
+    if st.st_size != size:
+        return f"is {st.st_size} bytes, not {size}"
+    return None
+
+
 class Region:
     """One client's mapped region."""
 
@@ -54,15 +69,9 @@ class Region:
         except OSError as e:
             raise _refuse(f"cannot open {path}: {e.strerror}", rid) from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _refuse(f"{path} is not a regular file", rid)
-            if st.st_uid != os.geteuid():
-                raise _refuse(f"{path} belongs to another user", rid)
-            if st.st_mode & 0o077:
-                raise _refuse(f"{path} is readable by others (mode must be 0600)", rid)
-            if st.st_size != size:
-                raise _refuse(f"{path} is {st.st_size} bytes, not {size}", rid)
+            problem = private_file_problem(os.fstat(fd), size)
+            if problem is not None:
+                raise _refuse(f"{path} {problem}", rid)
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
