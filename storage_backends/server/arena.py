@@ -146,18 +146,18 @@ class Arena:
         blocks = size // BLOCK
         if blocks < 1:
             raise ValueError(f"arena of {size} bytes holds no {BLOCK}-byte block")
+        self.table_start = HEADER_BYTES
+        self.data_start = -(-(HEADER_BYTES + blocks * 8) // BLOCK) * BLOCK  # the next block
+        self.blocks = blocks
+        self.size = self.data_start + blocks * BLOCK
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY and size + (size >> 9) + 2 * BLOCK > limit:
+        if limit != resource.RLIM_INFINITY and self.size > limit:
             # A file past RLIMIT_FSIZE would raise SIGXFSZ (by default fatal) on ftruncate.
             raise ValueError(f"the file size limit (ulimit -f: {limit} bytes) is below it")
         remove_stale(directory)
         self.id = secrets.randbits(63) | 1
         self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         self.path = os.path.join(directory, self.name)
-        self.table_start = HEADER_BYTES
-        self.data_start = -(-(HEADER_BYTES + blocks * 8) // BLOCK) * BLOCK  # the next block
-        self.blocks = blocks
-        self.size = self.data_start + blocks * BLOCK
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self.path, flags, 0o600)
         try:
