@@ -41,6 +41,9 @@ SAMPLES: list[P.Message] = [
     P.ShmLocateRequest(request_id=14, arena_id=7, keys=["a", "b", "c"]),
     P.ShmLocateReply(request_id=14, arena_id=7, offsets=[4096, -1, -1], lengths=[100, -1, 9],
                      gens=[3, 0, 0]),
+    P.ShmReserveRequest(request_id=15, arena_id=7, keys=["a", "b"], lengths=[4096, 9]),
+    P.ShmReserveReply(request_id=15, offsets=[8192, -1], gens=[5, 0], expires_ms=30000),
+    P.ShmCommitRequest(request_id=16, arena_id=7, keys=["a"], offsets=[8192]),
 ]
 
 
@@ -86,18 +89,24 @@ def test_header_carries_the_version_and_wire_names() -> None:
 
 def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     """Version-1 types stay version 1 on the wire (a version-1 peer reads them); the
-    shared-memory region types say 2, the shared-memory store types 3."""
-    assert P.PROTOCOL_VERSION == 3
+    shared-memory region types say 2, the shared-memory store types 3, writes into it 4."""
+    assert P.PROTOCOL_VERSION == 4
     v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
           "shm_get_ok"}
     v3 = {"map_store", "map_store_ok", "shm_locate", "shm_locate_ok"}
+    v4 = {"shm_reserve", "shm_reserve_ok", "shm_commit"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
-        assert header["v"] == (3 if msg.TYPE in v3 else 2 if msg.TYPE in v2 else 1), msg.TYPE
+        want = 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3 else 2 if msg.TYPE in v2 else 1
+        assert header["v"] == want, msg.TYPE
     # A store type in a version-2 header is refused (a version-2 peer never sends one).
     with pytest.raises(P.ProtocolError) as e:
         P.decode([msgpack.packb({"v": 2, "t": "map_store", "id": 1, "auth": ""})],
                  expect="request")
+    assert e.value.code == P.ErrorCode.BAD_VERSION
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode([msgpack.packb({"v": 3, "t": "shm_commit", "id": 1, "auth": "", "arena_id": 1,
+                                 "keys": [], "offsets": []})], expect="request")
     assert e.value.code == P.ErrorCode.BAD_VERSION
     # A version-2 header on a version-1 type is read too.
     back = P.decode([_header(**{**GOOD_GET, "v": 2})], expect="request")
@@ -132,7 +141,7 @@ MALFORMED: list[tuple[str, list[bytes], str]] = [
     ("header is an int", [msgpack.packb(7)], P.ErrorCode.MALFORMED),
     ("empty header frame", [b""], P.ErrorCode.MALFORMED),
     ("no version", [_header(t="get", id=1, auth="", keys=[])], P.ErrorCode.BAD_VERSION),
-    ("future version", [_header(**{**GOOD_GET, "v": 4})], P.ErrorCode.BAD_VERSION),
+    ("future version", [_header(**{**GOOD_GET, "v": P.PROTOCOL_VERSION + 1})], P.ErrorCode.BAD_VERSION),
     ("version as string", [_header(**{**GOOD_GET, "v": "1"})], P.ErrorCode.BAD_VERSION),
     ("version as float", [_header(**{**GOOD_GET, "v": 1.0})], P.ErrorCode.BAD_VERSION),
     ("version as bool", [_header(**{**GOOD_GET, "v": True})], P.ErrorCode.BAD_VERSION),
