@@ -47,20 +47,24 @@ from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import Backoff, byte_view, check_known_keys, each_key_once, setting
 from storage_backends.hicache_shm import (
-    NOT_MAPPED,
     SHM_REFUSALS,
     ClientRegion,
     ShmLost,
-    StoreMap,
     Unreachable,
     Wire,
-    locate_get,
-    map_store,
     shm_get,
     shm_set,
     split,
 )
 from storage_backends.hicache_shm import Conn as _Conn
+from storage_backends.hicache_store import (
+    NOT_MAPPED,
+    ReserveRefused,
+    StoreAccess,
+    StoreMap,
+    locate_get,
+    store_set,
+)
 from storage_backends.server import protocol as P
 from storage_backends.server.store import tune_malloc
 
@@ -95,12 +99,8 @@ class HiCacheServerBackend(StorageBackend):
         self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
         # Whether new connections offer a region: off by config, or after a server refused one.
         self.shm_enabled = setting(config, "shm", True)
-        # The server's shared-memory store, mapped on first use (None: not yet, or none).
-        self._store: StoreMap | None = None
-        self._store_wanted = self.shm_enabled
-        self._store_lock = threading.Lock()
-        self.arena_reads = 0  # records copied in place from the server's store
-        self.arena_fallbacks = 0  # records located but read another way (not there, or moved)
+        # The server's shared-memory store, mapped on first use (`hicache_store`).
+        self.arena = StoreAccess(self.shm_enabled)
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self._ctx = zmq.Context(io_threads=1)
@@ -180,27 +180,25 @@ class HiCacheServerBackend(StorageBackend):
         self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
 
     def _store_map(self, conn: _Conn) -> StoreMap | None:
-        """The server's store, mapped read-only (asked for once; None when it has none or it
-        cannot be mapped here, e.g. another host: reads then go through the region)."""
-        store = self._store
-        if store is not None or not self._store_wanted:
-            return store
-        with self._store_lock:
-            if self._store is None and self._store_wanted:
-                try:
-                    self._store = map_store(lambda req: conn.exchange([req])[0])
-                except (OSError, StorageError) as e:
-                    logger.info("hicache backend: not reading the server's store in place: %s", e)
-                if self._store is None:
-                    self._store_wanted = False
-                else:
-                    logger.info("hicache backend: reading pages in place from the server's store")
-            return self._store
+        """The server's store, when this connection has a region (the same host)."""
+        if conn.region is None:
+            return None
+        return self.arena.mapped(lambda req: conn.exchange([req])[0])
 
-    def _count_arena(self, in_place: int, fallback: int) -> None:
-        with self._store_lock:
-            self.arena_reads += in_place
-            self.arena_fallbacks += fallback
+    def _store_set(self, conn: _Conn, store: StoreMap, keys: Sequence[str],
+                   views: Sequence[memoryview], idx: list[int], ok: list[bool]) -> list[int]:
+        """Write records `idx` into slots of the server's store (one copy); those left over."""
+        try:
+            got = store_set(conn.exchange, store, conn.slots, [keys[i] for i in idx],
+                            [views[i] for i in idx], self.batch_keys)
+        except ReserveRefused as e:
+            self.arena.refused_writes(str(e))
+            return idx
+        rest = [i for i, r in zip(idx, got) if r is None]
+        for i, r in zip(idx, got):
+            ok[i] = r is True
+        self.arena.count(writes=len(idx) - len(rest), write_fallbacks=len(rest))
+        return rest
 
     def _no_shm(self, why: str) -> None:
         if self.shm_enabled:
@@ -250,8 +248,8 @@ class HiCacheServerBackend(StorageBackend):
             return self._session(work)
         except ShmLost as e:
             logger.info("hicache backend: the server lost our shm region (%s); attaching again", e)
-            self._store = None  # a restarted server has a new store (the old mapping is unmapped
-            # when the last reader lets it go)
+            self.arena.map = None  # a restarted server has a new store (the old mapping is
+            # unmapped when the last reader lets it go)
             self._drop_pool()
         try:
             return self._session(work)
@@ -356,11 +354,11 @@ class HiCacheServerBackend(StorageBackend):
         def work(conn: _Conn) -> list[P.Reply]:
             exchange = conn.exchange
             idx = list(range(len(keys)))
-            store = self._store_map(conn) if conn.region is not None else None
+            store = self._store_map(conn)
             if store is not None:  # in place from the server's arena; the rest another way
                 res[:] = locate_get(exchange, store, keys, views, self.batch_keys, landed)
                 idx = [i for i, n in enumerate(res) if n == NOT_MAPPED]
-                self._count_arena(len(keys) - len(idx), len(idx))
+                self.arena.count(reads=len(keys) - len(idx), fallbacks=len(idx))
                 if not idx:
                     return []
             region = conn.region
@@ -400,21 +398,27 @@ class HiCacheServerBackend(StorageBackend):
         index: list[list[int]] = []
 
         def work(conn: _Conn) -> list[P.Reply]:
+            idx = send
+            store = self._store_map(conn) if self.arena.writes_wanted else None
+            if store is not None:  # straight into the server's arena; the rest another way
+                idx = self._store_set(conn, store, keys, views, idx, ok)
+                if not idx:
+                    return []
             region = conn.region
-            if region is not None and max(len(views[i]) for i in send) <= region.size:
+            if region is not None and max(len(views[i]) for i in idx) <= region.size:
                 got = shm_set(
                     conn.exchange,
-                    region, [keys[i] for i in send], [views[i] for i in send],
+                    region, [keys[i] for i in idx], [views[i] for i in idx],
                     self.batch_keys, self._shm_request_bytes,
                 )
-                for i, stored in zip(send, got):
+                for i, stored in zip(idx, got):
                     ok[i] = stored
                 return []
             # Split by key count and bytes; the parts are pipelined.
             reqs: list[P.SetRequest] = []
             index.clear()
             size = 0
-            for i in send:
+            for i in idx:
                 k, v = keys[i], views[i]
                 if not reqs or len(index[-1]) >= self.batch_keys or size + len(v) > self.batch_bytes:
                     reqs.append(P.SetRequest())
@@ -488,7 +492,7 @@ class HiCacheServerBackend(StorageBackend):
                 return
             self._closed = True
             pool, self._pool = self._pool, []
-            self._store = None
+            self.arena.map = None
         for conn in pool:
             if conn.region is not None and not self._backoff.down:
                 conn.detach(min(self.timeout_ms, 1000))

@@ -20,7 +20,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ import zmq
 
 from hicache.errors import StorageError
 from storage_backends.server import protocol as P
-from storage_backends.server.arena import BLOCK, HEADER, HEADER_BYTES, MAGIC, NAME_PREFIX
-from storage_backends.server.shm import private_file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +98,9 @@ class Conn:
     sock: zmq.Socket
     wire: Wire
     region: ClientRegion | None = None
+    # Slots reserved for this connection in the server's store, by record length: (offset,
+    # generation, use-by time) (`hicache_store.store_set`).
+    slots: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
 
     def exchange(
         self,
@@ -219,14 +219,17 @@ def plan(sizes: Sequence[int], batch_keys: int, batch_bytes: int, region: int) -
     return [r for r in rounds if r]
 
 
-def _checked(reply: P.Reply, kind: type[P.Reply], n: int) -> None:
+def checked(reply: P.Reply, kind: type[P.Reply], n: int) -> None:
+    """Raise unless `reply` is a `kind` with `n` results (`ShmLost` for `no_shm`)."""
     if isinstance(reply, P.ErrorReply):
         if reply.code == P.ErrorCode.NO_SHM:
             raise ShmLost(reply.message)
         raise StorageError(f"server answered {reply.code}: {reply.message}")
     if not isinstance(reply, kind):
         raise StorageError(f"server answered {reply.TYPE} to a shm request")
-    got = len(reply.lengths if isinstance(reply, P.ShmGetReply) else getattr(reply, "stored", []))
+    got = len(reply.lengths if isinstance(reply, P.ShmGetReply) else
+              reply.offsets if isinstance(reply, P.ShmReserveReply) else
+              getattr(reply, "stored", []))
     if got != n:
         raise StorageError(f"server answered {got} results for {n} keys")
 
@@ -254,7 +257,7 @@ def shm_set(
 
     for rnd in plan([len(v) for v in views], batch_keys, batch_bytes, region.size):
         for c, r in zip(rnd, exchange(requests(rnd), None)):
-            _checked(r, P.SetReply, len(c.idx))
+            checked(r, P.SetReply, len(c.idx))
             assert isinstance(r, P.SetReply)
             for i, stored in zip(c.idx, r.stored):
                 ok[i] = stored is True
@@ -277,7 +280,7 @@ def shm_get(
 
         def copy_out(i_req: int, r: P.Reply, rnd: list[Chunk] = rnd) -> None:
             c = rnd[i_req]
-            _checked(r, P.ShmGetReply, len(c.idx))
+            checked(r, P.ShmGetReply, len(c.idx))
             assert isinstance(r, P.ShmGetReply)
             for i, off, cap, n in zip(c.idx, c.offsets, c.sizes, r.lengths):
                 if not isinstance(n, int) or n < -1:
@@ -291,113 +294,4 @@ def shm_get(
             for c in rnd
         ]
         exchange(reqs, copy_out)
-    return res
-
-
-# -- the server's shared-memory store (protocol v3) ------------------------------------------
-
-STORE_NAME = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
-# A record the client must read another way (`shm_get` or TCP): not in the arena, or changed
-# while it was copied.
-NOT_MAPPED = -2
-
-
-class StoreMap:
-    """The server's arena, mapped read-only (`map_store`): records are copied from it in place.
-
-    The file is checked like a region the other way round (a plain file in /dev/shm, ours, mode
-    0600, of the stated size) and its header must name the arena id the server gave, so a file
-    of another server (or another host's name) is never read."""
-
-    def __init__(self, name: str, size: int, arena_id: int) -> None:
-        if not STORE_NAME.fullmatch(name):
-            raise StorageError(f"shared-memory store name {name!r} is not ours")
-        path = os.path.join(SHM_DIR, name)
-        if size < HEADER_BYTES:
-            raise StorageError(f"a store of {size} bytes is smaller than its header")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            problem = private_file_problem(os.fstat(fd), size)
-            if problem is not None:
-                raise StorageError(f"{path} {problem}")
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mm)
-        magic, aid, block, table, data = HEADER.unpack_from(self.buf, 0)
-        self.data_start = -(-(HEADER_BYTES + table) // BLOCK) * BLOCK
-        if (magic, aid, block) != (MAGIC, arena_id, BLOCK) or self.data_start + data != size:
-            self.close()
-            raise StorageError(f"{path} is not the arena {arena_id} of the server")
-        self.id = arena_id
-        self.size = size
-        self._gens = self.buf[HEADER_BYTES : HEADER_BYTES + table].cast("Q")
-
-    def read(self, offset: int, length: int, gen: int, dst: memoryview) -> bool:
-        """Copy the record at `offset` into `dst` (exactly `length` bytes); False when the
-        descriptor is outside the data, or the record was freed before or during the copy."""
-        block, rem = divmod(offset - self.data_start, BLOCK)
-        if block < 0 or rem or length != len(dst) or not offset < offset + length <= self.size:
-            return False
-        if self._gens[block] != gen:
-            return False
-        dst[:] = self.buf[offset : offset + length]
-        return bool(self._gens[block] == gen)
-
-    def close(self) -> None:
-        with contextlib.suppress(AttributeError):
-            self._gens.release()
-        self.buf.release()
-        self._mm.close()
-
-
-def map_store(call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
-    """Ask the server for its store and map it; None when it has none (or an older protocol)."""
-    reply = call(P.MapStoreRequest())
-    if isinstance(reply, P.ErrorReply):
-        if reply.code in SHM_REFUSALS:
-            return None
-        raise StorageError(f"server answered {reply.code}: {reply.message}")
-    if not isinstance(reply, P.MapStoreReply):
-        raise StorageError(f"server answered {reply.TYPE} to map_store")
-    return StoreMap(reply.name, reply.size, reply.arena_id)
-
-
-def locate_get(
-    exchange: Exchange,
-    store: StoreMap,
-    keys: Sequence[str],
-    out: Sequence[memoryview],
-    batch_keys: int,
-    landed: Callable[[int, int], None] | None = None,
-) -> list[int]:
-    """Read `keys` into `out` from the server's arena: per key the stored length (-1: absent;
-    `NOT_MAPPED`: read it another way). `landed(i, length)` runs as each record is copied (its
-    check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
-    one mapped (it restarted)."""
-    res = [-1] * len(keys)
-    chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
-
-    def copy(i_req: int, r: P.Reply) -> None:
-        c = chunks[i_req]
-        if isinstance(r, P.ErrorReply):
-            if r.code == P.ErrorCode.NO_SHM:
-                raise ShmLost(r.message)
-            raise StorageError(f"server answered {r.code}: {r.message}")
-        if not isinstance(r, P.ShmLocateReply) or len(r.lengths) != len(c):
-            raise StorageError("server answered a malformed shm_locate reply")
-        if r.arena_id != store.id:
-            raise ShmLost("the server's store is not the one mapped")
-        for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
-            if n < 0:
-                res[i] = -1
-            elif n != len(out[i]):
-                res[i] = n  # the caller sees the wrong length: a miss, nothing copied
-            else:
-                res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
-                if landed is not None and res[i] == n:
-                    landed(i, n)
-
-    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
-             copy)
     return res

@@ -213,9 +213,9 @@ class Arena:
         self._allocated_to = end
         return True
 
-    def store(self, record: memoryview) -> ArenaSlot | None:
-        """A slot holding a copy of `record`; None when no room (the caller keeps its copy)."""
-        n = record.nbytes
+    def reserve(self, n: int) -> ArenaSlot | None:
+        """A slot for a record of `n` bytes (its generation current, its bytes not written);
+        None when no room."""
         blocks = max(1, -(-n // BLOCK))
         start = self._free.take(blocks)
         if start is None or not self._reserve(start + blocks):
@@ -225,11 +225,17 @@ class Arena:
             return None
         gen = self._next_gen()
         self._gens[start] = gen
-        off = self.data_start + start * BLOCK
-        self.buf[off : off + n] = record.cast("B") if record.format != "B" else record
         self.counters["arena_slots"] += 1
         self.counters["arena_bytes"] += n
-        return ArenaSlot(off, n, blocks, gen)
+        return ArenaSlot(self.data_start + start * BLOCK, n, blocks, gen)
+
+    def store(self, record: memoryview) -> ArenaSlot | None:
+        """A slot holding a copy of `record`; None when no room (the caller keeps its copy)."""
+        slot = self.reserve(record.nbytes)
+        if slot is not None:
+            off = slot.offset
+            self.buf[off : off + slot.length] = record.cast("B") if record.format != "B" else record
+        return slot
 
     def view(self, slot: ArenaSlot) -> memoryview:
         """The record's bytes in the server's mapping (valid until the slot is freed)."""

@@ -283,24 +283,20 @@ class ShmLocateReply(Reply):
 
 @dataclass
 class ShmReserveRequest(Request):
-    """Reserve room in the server's arena for records of `lengths[i]` bytes, to be written by
-    the client (which maps the arena read-write) and then stored with `shm_commit`. Refused
-    with `no_shm` when `arena_id` is not the server's arena."""
+    """Reserve room in the server's arena for records of `lengths[i]` bytes, which the client
+    (mapping the arena read-write) then writes and stores with `shm_commit`. Refused with
+    `no_shm` when `arena_id` is not the server's arena."""
 
     TYPE: ClassVar[str] = "shm_reserve"
     arena_id: int = 0
-    keys: list[str] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
-
-    def check(self) -> None:
-        _check_descriptors(self, self.keys, self.lengths, self.lengths)
 
 
 @dataclass
 class ShmReserveReply(Reply):
-    """Per key: the byte offset reserved for it in the arena and that slot's generation
-    (offset -1: no room, or a record the store does not take; send it another way). A
-    reservation is this connection's until committed or `expires_ms` later."""
+    """Per length asked: the byte offset reserved in the arena and that slot's generation
+    (offset -1: no room, over this connection's share, or a record the store does not take).
+    A reservation is this connection's until committed, or until `expires_ms` from now."""
 
     TYPE: ClassVar[str] = "shm_reserve_ok"
     offsets: list[int] = field(default_factory=list)
@@ -314,16 +310,33 @@ class ShmReserveReply(Reply):
 @dataclass
 class ShmCommitRequest(Request):
     """Store the records written into this connection's reservations: key i is the record at
-    `offsets[i]` (its length as reserved). Answered with `SetReply`; a reservation that is not
-    this connection's, has expired or was made for another key is not stored."""
+    `offsets[i]` (its length as reserved); a reservation that is not this connection's or has
+    expired stores nothing. `reserve`: lengths to reserve anew in the same round trip (a client
+    writing batches of alike records has the next batch's room ready)."""
 
     TYPE: ClassVar[str] = "shm_commit"
     arena_id: int = 0
     keys: list[str] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    reserve: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         _check_descriptors(self, self.keys, self.offsets, self.offsets)
+
+
+@dataclass
+class ShmCommitReply(Reply):
+    """`stored` per key committed; `offsets`, `gens` and `expires_ms` answer `reserve` as
+    `ShmReserveReply` does."""
+
+    TYPE: ClassVar[str] = "shm_commit_ok"
+    stored: list[bool] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    gens: list[int] = field(default_factory=list)
+    expires_ms: int = 0
+
+    def check(self) -> None:
+        _check_descriptors(self, self.offsets, self.gens, self.gens)
 
 
 @dataclass
@@ -365,6 +378,7 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     MapStoreReply,
     ShmLocateReply,
     ShmReserveReply,
+    ShmCommitReply,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -379,23 +393,24 @@ _SINCE: dict[str, int] = {
         ShmGetReply,
     )
 } | {c.TYPE: 3 for c in (MapStoreRequest, MapStoreReply, ShmLocateRequest, ShmLocateReply)} | {
-    c.TYPE: 4 for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest)
+    c.TYPE: 4
+    for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
 }
 
-_CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,
+CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,
                wire_names={"request_id": "id", "token": "auth"})
-SCHEMAS = _CODEC.schemas
+SCHEMAS = CODEC.schemas
 
 
 def encode(msg: Message) -> list[Buffer]:
     """Frames of `msg`: the msgpack header, then its payload frames (not copied)."""
-    return _CODEC.encode(msg)
+    return CODEC.encode(msg)
 
 
 def decode(frames: Sequence[Buffer], *, expect: str = "any") -> Message:
     """One message from its frames (`expect`: "request", "reply" or "any"); raises
     `ProtocolError`, never anything else, for frames that are not a valid message."""
-    msg: Message = _CODEC.decode(frames, expect=expect)
+    msg: Message = CODEC.decode(frames, expect=expect)
     return msg
 
 

@@ -44,8 +44,10 @@ SERVER_VERSION = "0.1.0"
 _KEEP_FRAME_BYTES = 64 << 10
 _FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, bookkeeping)
 # The latency metric's `op` label: a get is a get whichever path its bytes take.
+# (A reservation is counted apart: `reserve`; its commit is the set.)
 _OP_LABEL = {P.ShmGetRequest.TYPE: "get", P.ShmLocateRequest.TYPE: "get",
-             P.ShmSetRequest.TYPE: "set"}
+             P.ShmSetRequest.TYPE: "set", P.ShmReserveRequest.TYPE: "reserve",
+             P.ShmCommitRequest.TYPE: "set"}
 
 class HiCacheServer:
     """The server: `serve_forever()` until `stop()` (or SIGTERM/SIGINT in `main`)."""
@@ -80,6 +82,7 @@ class HiCacheServer:
             "tcp_page_bytes_out": 0,
             "shm_page_bytes_in": 0,
             "shm_page_bytes_out": 0,
+            "store_page_bytes_in": 0,  # written by clients into reserved slots of the store
             "store_page_bytes_out": 0,  # located in the shared-memory store, read in place
         }
         self.metrics: Metrics | None = None
@@ -311,9 +314,11 @@ class HiCacheServer:
     def _check_keys(self, req: P.Request) -> None:
         rid = req.request_id
         keys: list[str] = getattr(req, "keys", [])
-        if len(keys) > self.config.max_keys:
+        # Records named: by key, or only by length (a reservation).
+        n = max(len(keys), len(getattr(req, "lengths", ())), len(getattr(req, "reserve", ())))
+        if n > self.config.max_keys:
             raise P.ProtocolError(
-                P.ErrorCode.TOO_LARGE, f"{len(keys)} keys; at most {self.config.max_keys}", rid
+                P.ErrorCode.TOO_LARGE, f"{n} records; at most {self.config.max_keys}", rid
             )
         if isinstance(req, P.GetRequest) and len(set(keys)) != len(keys):
             # Each key's page would be sent once per mention: refused, not multiplied.
@@ -327,11 +332,20 @@ class HiCacheServer:
         if isinstance(req, P.SetRequest):
             self._page_bytes("tcp_page_bytes_in", sum(len(f) for f in req.frames))
             return self._set(rid, keys, req.frames)
+        if isinstance(req, (P.ShmReserveRequest, P.ShmCommitRequest)):
+            self._arena(rid, req.arena_id)
+            ttl_ms = int(self.tiers.reservations.ttl_s * 1000)
+            if isinstance(req, P.ShmReserveRequest):
+                offsets, gens = self.tiers.reserve(ident, req.lengths)
+                return P.ShmReserveReply(request_id=rid, offsets=offsets, gens=gens,
+                                         expires_ms=ttl_ms)
+            stored, n = self.tiers.commit(ident, keys, req.offsets)
+            self._page_bytes("store_page_bytes_in", n)
+            offsets, gens = self.tiers.reserve(ident, req.reserve)
+            return P.ShmCommitReply(request_id=rid, stored=stored, offsets=offsets, gens=gens,
+                                    expires_ms=ttl_ms)
         if isinstance(req, P.ShmLocateRequest):
-            arena = self._arena(rid)
-            if req.arena_id != arena.id:
-                raise P.ProtocolError(P.ErrorCode.NO_SHM, "the shared-memory store changed "
-                                      "(the server restarted): map it again", rid)
+            arena = self._arena(rid, req.arena_id)
             offsets, lengths, gens = self.tiers.locate(keys)
             self._page_bytes("store_page_bytes_out",
                              sum(n for n, o in zip(lengths, offsets) if o >= 0))
@@ -358,6 +372,7 @@ class HiCacheServer:
             return P.AttachShmReply(request_id=rid)
         if isinstance(req, P.DetachShmRequest):
             self.shm.detach(ident)
+            self.tiers.reservations.drop(ident)
             return P.DetachShmReply(request_id=rid)
         if isinstance(req, P.ExistsRequest):
             return P.ExistsReply(request_id=rid, count=self.tiers.exists(keys))
@@ -378,10 +393,14 @@ class HiCacheServer:
             )
         raise P.ProtocolError(P.ErrorCode.UNKNOWN_TYPE, f"no handler for {req.TYPE}", rid)
 
-    def _arena(self, rid: int) -> Arena:
+    def _arena(self, rid: int, arena_id: int | None = None) -> Arena:
+        """The store's arena (that the client has mapped, when it names one)."""
         if self.tiers.arena is None:
             raise P.ProtocolError(P.ErrorCode.NO_SHM, "this server has no shared-memory store "
                                   "(--no-shm, --shm-store-bytes 0, or not x86-64)", rid)
+        if arena_id is not None and arena_id != self.tiers.arena.id:
+            raise P.ProtocolError(P.ErrorCode.NO_SHM, "the shared-memory store changed "
+                                  "(the server restarted): map it again", rid)
         return self.tiers.arena
 
     def _reply_size(self, keys: list[str]) -> int:

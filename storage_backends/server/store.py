@@ -121,6 +121,25 @@ class PageStore:
             self.counters.evictions += len(dropped)
         return True, [k for k, _ in dropped]
 
+    def reserve(self, n: int) -> ArenaSlot | None:
+        """An arena slot for a record of `n` bytes that a client will write (not in the map
+        until `put_slot`); None without an arena or room."""
+        with self._lock:
+            return self.arena.reserve(n) if self.arena is not None else None
+
+    def free(self, slot: ArenaSlot) -> None:
+        """Give back a reserved slot that will not be stored."""
+        with self._lock:
+            self._drop([slot])
+
+    def put_slot(self, key: str, slot: ArenaSlot) -> tuple[bool, list[str]]:
+        """Store a reserved slot the client has written under `key` (as `put`); a slot that
+        is refused is freed."""
+        ok, evicted = self.put(key, slot)
+        if not ok:
+            self.free(slot)
+        return ok, evicted
+
     def promote(self, key: str, value: Value) -> Value:
         """Move a heap value held under `key` into the arena (same recency); what is held now."""
         with self._lock:

@@ -8,7 +8,9 @@ that tie the tiers together live in one place:
   acknowledged (a key whose old file stays is refused, keeping its old value everywhere);
 - with an arena, records that shm clients send are stored in it (when persistence is off: the
   write-behind queue then holds no arena slot), and a record located by an shm client is moved
-  into it, so every later read of it is one copy, made by the client.
+  into it, so every later read of it is one copy, made by the client;
+- records that clients write into reserved arena slots (`reserve`, `commit`) are stored as
+  those slots; with persistence, the write-behind queue gets a heap copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.server.arena import BLOCK, Arena, ArenaSlot
+from storage_backends.server.reservations import Reservations
 from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes
 
 if TYPE_CHECKING:
@@ -33,6 +36,10 @@ class Tiers:
         self.config = config
         self.arena = arena
         self.store = PageStore(config.capacity_bytes, arena)
+        # One connection may hold at most a quarter of the arena reserved at a time.
+        self.reservations = Reservations(
+            self.store.reserve, self.store.free, (arena.blocks * BLOCK) // 4 if arena else 0
+        )
         self.persist: WriteBehind | None = None
         self.metrics: Metrics | None = None  # set by the server once its metrics exist
         if config.persist_dir:
@@ -116,19 +123,21 @@ class Tiers:
         to_arena: bool = False,
     ) -> bool:
         ok, evicted = self.store.put(key, value, to_arena=to_arena)
-        if evicted:
-            logger.debug("evicted %d pages", len(evicted))
-            if self.metrics is not None:
-                self.metrics.evictions.inc(len(evicted))
-        if (
-            ok
-            and persist
-            and self.persist is not None
-            and not self.persist.enqueue(key, value, deadline)
-            and self.metrics is not None
-        ):
-            self.metrics.persist_dropped.inc()
+        self._evicted(evicted)
+        if ok and persist and self.persist is not None:
+            self._persist(key, value, deadline)
         return ok
+
+    def _evicted(self, keys: list[str]) -> None:
+        if keys:
+            logger.debug("evicted %d pages", len(keys))
+            if self.metrics is not None:
+                self.metrics.evictions.inc(len(keys))
+
+    def _persist(self, key: str, value: Value, deadline: float) -> None:
+        assert self.persist is not None
+        if not self.persist.enqueue(key, value, deadline) and self.metrics is not None:
+            self.metrics.persist_dropped.inc()
 
     def set(self, keys: list[str], records: Sequence[Any], *, transient: bool) -> list[bool]:
         """Store `records[i]` under `keys[i]`; per key whether it was stored. `transient`: the
@@ -144,6 +153,48 @@ class Tiers:
             ok and self._put_memory(k, v, persist=True, deadline=deadline, to_arena=transient)
             for k, v, ok in zip(keys, records, fresh)
         ]
+
+    def reserve(self, ident: bytes, lengths: list[int]) -> tuple[list[int], list[int]]:
+        """Offsets and generations of arena slots reserved for `ident` to write records of
+        `lengths` into (offset -1: none; the client sends that record another way)."""
+        cap = self.config.max_frame_bytes
+        if self.config.capacity_bytes:
+            cap = min(cap, self.config.capacity_bytes)
+        slots = self.reservations.reserve(ident, lengths, cap)
+        return ([-1 if s is None else s.offset for s in slots],
+                [0 if s is None else s.gen for s in slots])
+
+    def commit(
+        self, ident: bytes, keys: list[str], offsets: list[int]
+    ) -> tuple[list[bool], int]:
+        """Store the records `ident` wrote into its reservations: per key whether stored, and
+        the bytes stored."""
+        self.reservations.expire()
+        slots = [self.reservations.take(ident, off) for off in offsets]
+        fresh = [True] * len(keys)
+        if self.persist is not None:
+            found = [i for i, s in enumerate(slots) if s is not None]
+            for i, ok in zip(found, self.persist.supersede([keys[i] for i in found])):
+                fresh[i] = ok
+        deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
+        out: list[bool] = []
+        stored_bytes = 0
+        for key, slot, ok in zip(keys, slots, fresh):
+            if slot is None:
+                out.append(False)
+                continue
+            if not ok:
+                self.store.free(slot)
+                out.append(False)
+                continue
+            stored, evicted = self.store.put_slot(key, slot)
+            self._evicted(evicted)
+            if stored:
+                stored_bytes += slot.length
+                if self.persist is not None:
+                    self._persist(key, self.store.view(slot).tobytes(), deadline)
+            out.append(stored)
+        return out, stored_bytes
 
     def delete(self, keys: list[str]) -> int:
         n = self.store.delete(keys)
@@ -169,6 +220,7 @@ class Tiers:
         }
         if self.arena is not None:
             out.update(self.arena.counters)
+            out.update(self.reservations.counters)
             out["arena_capacity_bytes"] = self.arena.blocks * BLOCK
         if self.persist is not None:
             out.update({f"persist_{k}": v for k, v in self.persist.counters().items()})

@@ -370,8 +370,8 @@ def churn_worker(url: str, worker: int, rounds: int, result_path: str, payload: 
                 res["hits" if hit else "misses"] += 1
                 res["wrong"] += hit and bytes(buf) != bytes(recs[i])
         st = b.stats()
-        res.update(errors=st.errors, corrupt=st.corrupt_pages, arena_reads=b.arena_reads,
-                   arena_fallbacks=b.arena_fallbacks)
+        res.update(errors=st.errors, corrupt=st.corrupt_pages, arena_reads=b.arena.reads,
+                   arena_fallbacks=b.arena.fallbacks)
     finally:
         b.close()
     Path(result_path).write_text(json.dumps(res))

@@ -41,9 +41,10 @@ SAMPLES: list[P.Message] = [
     P.ShmLocateRequest(request_id=14, arena_id=7, keys=["a", "b", "c"]),
     P.ShmLocateReply(request_id=14, arena_id=7, offsets=[4096, -1, -1], lengths=[100, -1, 9],
                      gens=[3, 0, 0]),
-    P.ShmReserveRequest(request_id=15, arena_id=7, keys=["a", "b"], lengths=[4096, 9]),
+    P.ShmReserveRequest(request_id=15, arena_id=7, lengths=[4096, 9]),
     P.ShmReserveReply(request_id=15, offsets=[8192, -1], gens=[5, 0], expires_ms=30000),
-    P.ShmCommitRequest(request_id=16, arena_id=7, keys=["a"], offsets=[8192]),
+    P.ShmCommitRequest(request_id=16, arena_id=7, keys=["a"], offsets=[8192], reserve=[4096]),
+    P.ShmCommitReply(request_id=16, stored=[True], offsets=[16384], gens=[9], expires_ms=30000),
 ]
 
 
@@ -94,7 +95,7 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
           "shm_get_ok"}
     v3 = {"map_store", "map_store_ok", "shm_locate", "shm_locate_ok"}
-    v4 = {"shm_reserve", "shm_reserve_ok", "shm_commit"}
+    v4 = {"shm_reserve", "shm_reserve_ok", "shm_commit", "shm_commit_ok"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
         want = 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3 else 2 if msg.TYPE in v2 else 1
@@ -106,7 +107,8 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     assert e.value.code == P.ErrorCode.BAD_VERSION
     with pytest.raises(P.ProtocolError) as e:
         P.decode([msgpack.packb({"v": 3, "t": "shm_commit", "id": 1, "auth": "", "arena_id": 1,
-                                 "keys": [], "offsets": []})], expect="request")
+                                 "keys": [], "offsets": [], "reserve": []})],
+                 expect="request")
     assert e.value.code == P.ErrorCode.BAD_VERSION
     # A version-2 header on a version-1 type is read too.
     back = P.decode([_header(**{**GOOD_GET, "v": 2})], expect="request")

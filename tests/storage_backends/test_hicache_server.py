@@ -621,7 +621,8 @@ def test_metrics_and_lifecycle_logs(tmp_path: Path) -> None:
         assert metrics["hicache_server_evictions_total"] == 0
         assert metrics["hicache_server_connected_clients"] >= 1
         assert metrics['hicache_server_request_seconds_count{op="get"}'] == 1
-        assert metrics['hicache_server_request_seconds_count{op="set"}'] == 1
+        assert metrics['hicache_server_request_seconds_count{op="set"}'] == 1  # the commit
+        assert metrics['hicache_server_request_seconds_count{op="reserve"}'] == 1
         b.close()
     log = srv.log()
     assert "listening on tcp://127.0.0.1:" in log

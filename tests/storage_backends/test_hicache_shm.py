@@ -355,7 +355,7 @@ class _Version1Server(HiCacheServerProc):
     def _launcher(self) -> list[str]:
         boot = (
             "import runpy, sys; import storage_backends.server.protocol as P; "
-            "P.SUPPORTED_VERSIONS = (1,); sys.argv[0] = 'hicache-server'; "
+            "P.CODEC.versions = (1,); sys.argv[0] = 'hicache-server'; "
             "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
         )
         return [sys.executable, "-c", boot]

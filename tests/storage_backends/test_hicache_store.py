@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hicache.errors import StorageError
-from storage_backends.hicache_shm import StoreMap
+from storage_backends.hicache_store import StoreMap
 from storage_backends.server import protocol as P
 from storage_backends.server.arena import BLOCK, NAME_PREFIX, Arena, Extents, remove_stale
 from tests.procs import free_port
@@ -138,10 +138,15 @@ def test_reads_are_in_place_and_nothing_is_left_behind(tmp_path: Path) -> None:
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 12
         _read_back(b, keys, recs)
         st = b.server_stats()
-        assert (st["shm_page_bytes_in"], st["shm_page_bytes_out"], st["tcp_page_bytes_out"],
-                st["store_page_bytes_out"]) == (total, 0, 0, total)
-        assert (st["arena_slots"], st["arena_bytes"], st["arena_full"]) == (12, total, 0)
-        assert (b.arena_reads, b.arena_fallbacks, b.stats().errors) == (12, 0, 0)
+        # Written in place too: no page byte through the region or TCP either way.
+        assert (st["store_page_bytes_in"], st["shm_page_bytes_in"], st["tcp_page_bytes_in"],
+                st["shm_page_bytes_out"], st["tcp_page_bytes_out"],
+                st["store_page_bytes_out"]) == (total, 0, 0, 0, 0, total)
+        # 12 records, and room for 12 more reserved by the commit for the next batch
+        assert (st["arena_slots"], st["arena_bytes"], st["arena_full"]) == (24, 2 * total, 0)
+        assert (st["reserved_slots"], st["reserve_expired"]) == (12, 0)
+        assert (b.arena.reads, b.arena.fallbacks, b.stats().errors) == (12, 0, 0)
+        assert (b.arena.writes, b.arena.write_fallbacks) == (12, 0)
         # A page overwritten is read as its new value (new slot, new generation).
         new = page_record(codec(PAYLOAD), "inplace", 0, version=2)
         assert b.batch_set([keys[0]], [memoryview(new)]) == [True]
@@ -149,14 +154,15 @@ def test_reads_are_in_place_and_nothing_is_left_behind(tmp_path: Path) -> None:
         # A TCP client reads the same pages (copied out of the arena into frames).
         tcp = srv.client(shm=False)
         _read_back(tcp, keys[1:], recs[1:])
-        assert b.server_stats()["arena_slots"] == 12
+        assert b.server_stats()["arena_slots"] == 24
         b.delete(keys)
-        assert b.server_stats()["arena_slots"] == 0
+        assert b.server_stats()["arena_slots"] == 12  # the reservations
+        b.close()  # detaches: they are given back
+        assert tcp.server_stats()["arena_slots"] == 0
         assert srv.proc is not None
         pid = srv.proc.pid
         assert len(_ours_in_shm(pid)) == 1
         tcp.close()
-        b.close()
     assert _ours_in_shm(pid) == []  # the server unlinked its arena when it stopped
 
 
@@ -198,16 +204,19 @@ def test_eviction_changes_the_generation_a_reader_checks(tmp_path: Path) -> None
 def test_records_without_room_in_the_arena_are_read_through_the_region(tmp_path: Path) -> None:
     keys, recs = _pages("full", 6)
     total = sum(len(r) for r in recs)
-    # An arena of 200 blocks holds 3 records of 65 blocks; the other 3 stay in the heap.
+    # An arena of 200 blocks holds 3 records of 65 blocks; the other 3 stay in the heap. (A
+    # connection may reserve a quarter of it, 50 blocks: less than a record, so the client
+    # writes none in place and sends all 6 through its region.)
     args = ["--shm-store-bytes", str(200 * BLOCK)]
     with hicache_server(tmp_path, args=args) as srv:
         b = srv.client()
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 6
+        assert (b.arena.writes, b.arena.write_fallbacks) == (0, 6)
         st = b.server_stats()
         assert (st["arena_slots"], st["arena_full"], st["pages"]) == (3, 3, 6)
         _read_back(b, keys, recs)
         # The heap records were located, found no room again, and went through the region.
-        assert (b.arena_reads, b.arena_fallbacks) == (3, 3)
+        assert (b.arena.reads, b.arena.fallbacks) == (3, 3)
         st = b.server_stats()
         assert st["store_page_bytes_out"] + st["shm_page_bytes_out"] == total
         assert st["shm_page_bytes_out"] == sum(len(r) for r in recs[3:])
@@ -221,9 +230,9 @@ def test_pages_from_tcp_move_into_the_arena_when_read(tmp_path: Path) -> None:
         assert tcp.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 4
         assert shm.server_stats()["arena_slots"] == 0  # frames are kept as received
         _read_back(shm, keys, recs)
-        assert shm.server_stats()["arena_slots"] == 4 and shm.arena_reads == 4
+        assert shm.server_stats()["arena_slots"] == 4 and shm.arena.reads == 4
         _read_back(shm, keys, recs)  # in place, no copy on the server any more
-        assert shm.arena_reads == 8
+        assert shm.arena.reads == 8
         tcp.close()
         shm.close()
 
@@ -261,7 +270,7 @@ def test_store_requests_on_a_server_without_a_store(tmp_path: Path) -> None:
         keys, recs = _pages("nostore", 2)
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 2
         _read_back(b, keys, recs)
-        assert (b.arena_reads, b.arena_fallbacks) == (0, 0)
+        assert (b.arena.reads, b.arena.fallbacks) == (0, 0)
         assert b.server_stats()["tcp_page_bytes_out"] == sum(len(r) for r in recs)
         b.close()
 
@@ -277,7 +286,7 @@ def test_store_bytes_metric(tmp_path: Path) -> None:
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read()
         lines = [ln.split(" ") for ln in text.decode().splitlines() if ln and ln[0] != "#"]
         metrics = {ln[0]: float(ln[1]) for ln in lines}
-        assert metrics['hicache_server_page_bytes_total{dir="in",path="shm"}'] == total
+        assert metrics['hicache_server_page_bytes_total{dir="in",path="store"}'] == total
         assert metrics['hicache_server_page_bytes_total{dir="out",path="store"}'] == total
         assert metrics.get('hicache_server_page_bytes_total{dir="out",path="shm"}', 0) == 0
         b.close()

@@ -1,0 +1,281 @@
+"""The client side of `hicache-server`'s shared-memory store (protocol v3 reads, v4 writes).
+
+A same-host server keeps its memory tier in an arena in /dev/shm (`storage_backends.server.
+arena`). The client maps it (`map_store`) once, read-write, and then:
+
+- reads in place (`locate_get`): `shm_locate` answers (offset, length, generation) per key; the
+  client copies each record from its mapping into the caller's buffer and checks the generation
+  did not change during the copy. One copy, made by the client; no page bytes on the socket.
+- writes in place (`store_set`): `shm_reserve` answers an arena slot (offset, generation) per
+  record; the client copies the record into it and `shm_commit` has the server store the slots
+  (`storage_backends.server.reservations`). One copy, made by the client.
+
+Whatever cannot go this way (no room in the arena, a record moved during its copy, an older
+server) goes through the connection's region (`storage_backends.hicache_shm`) or TCP frames.
+`StoreAccess` is one backend's use of the store: the mapping, whether to use it, and counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from hicache.errors import StorageError
+from storage_backends.hicache_shm import SHM_DIR, SHM_REFUSALS, Exchange, ShmLost, checked, split
+from storage_backends.server import protocol as P
+from storage_backends.server.arena import BLOCK, HEADER, HEADER_BYTES, MAGIC, NAME_PREFIX
+from storage_backends.server.shm import private_file_problem
+
+logger = logging.getLogger(__name__)
+
+STORE_NAME = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
+# A record the client must read another way (`shm_get` or TCP): not in the arena, or changed
+# while it was copied.
+NOT_MAPPED = -2
+
+
+class StoreMap:
+    """The server's arena, mapped (`map_store`): records are copied from it in place, and
+    written into slots the server reserved for this client (`store_set`).
+
+    The file is checked like a region the other way round (a plain file in /dev/shm, ours, mode
+    0600, of the stated size) and its header must name the arena id the server gave, so a file
+    of another server (or another host's name) is never read or written."""
+
+    def __init__(self, name: str, size: int, arena_id: int) -> None:
+        if not STORE_NAME.fullmatch(name):
+            raise StorageError(f"shared-memory store name {name!r} is not ours")
+        path = os.path.join(SHM_DIR, name)
+        if size < HEADER_BYTES:
+            raise StorageError(f"a store of {size} bytes is smaller than its header")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            problem = private_file_problem(os.fstat(fd), size)
+            if problem is not None:
+                raise StorageError(f"{path} {problem}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mm)
+        magic, aid, block, table, data = HEADER.unpack_from(self.buf, 0)
+        self.data_start = -(-(HEADER_BYTES + table) // BLOCK) * BLOCK
+        if (magic, aid, block) != (MAGIC, arena_id, BLOCK) or self.data_start + data != size:
+            self.close()
+            raise StorageError(f"{path} is not the arena {arena_id} of the server")
+        self.id = arena_id
+        self.size = size
+        self._gens = self.buf[HEADER_BYTES : HEADER_BYTES + table].cast("Q")
+
+    def _block(self, offset: int, length: int) -> int:
+        """The first block of a record of `length` bytes at `offset`; -1 when that is not a
+        record place in the data (not block-aligned, or outside)."""
+        block, rem = divmod(offset - self.data_start, BLOCK)
+        if block < 0 or rem or not offset < offset + length <= self.size:
+            return -1
+        return block
+
+    def read(self, offset: int, length: int, gen: int, dst: memoryview) -> bool:
+        """Copy the record at `offset` into `dst` (exactly `length` bytes); False when the
+        descriptor is outside the data, or the record was freed before or during the copy."""
+        block = self._block(offset, length)
+        if block < 0 or length != len(dst) or self._gens[block] != gen:
+            return False
+        dst[:] = self.buf[offset : offset + length]
+        return bool(self._gens[block] == gen)
+
+    def write(self, offset: int, gen: int, src: memoryview) -> bool:
+        """Copy `src` into the slot reserved at `offset` with generation `gen`; False (nothing
+        written) when the descriptor is outside the data or the slot is no longer that one
+        (its reservation expired and the blocks may hold another record)."""
+        block = self._block(offset, len(src))
+        if block < 0 or self._gens[block] != gen:
+            return False
+        self.buf[offset : offset + len(src)] = src
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(AttributeError):
+            self._gens.release()
+        self.buf.release()
+        self._mm.close()
+
+
+def map_store(call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
+    """Ask the server for its store and map it; None when it has none (or an older protocol)."""
+    reply = call(P.MapStoreRequest())
+    if isinstance(reply, P.ErrorReply):
+        if reply.code in SHM_REFUSALS:
+            return None
+        raise StorageError(f"server answered {reply.code}: {reply.message}")
+    if not isinstance(reply, P.MapStoreReply):
+        raise StorageError(f"server answered {reply.TYPE} to map_store")
+    return StoreMap(reply.name, reply.size, reply.arena_id)
+
+
+def store_set(
+    exchange: Exchange,
+    store: StoreMap,
+    slots: dict[int, list[tuple[int, int, float]]],
+    keys: Sequence[str],
+    views: Sequence[memoryview],
+    batch_keys: int,
+) -> list[bool | None]:
+    """Write `views[i]` straight into slots of the server's arena reserved for this
+    connection, then have the server store them (one copy, made here): per key whether stored,
+    None when no slot could be had (the caller sends that record another way).
+
+    `slots` is the connection's stock of reservations by record length: (offset, generation,
+    use-by time). A record takes one of its length; those lacking one are reserved first (a
+    round trip); the commit reserves the same lengths again, so the next batch of alike records
+    needs no reservation round trip. Raises `ShmLost` when the server's arena is not the one
+    mapped, `ReserveRefused` when the server does not know `shm_reserve`."""
+    now = time.monotonic()
+    res: list[bool | None] = [None] * len(keys)
+    picks = [_take_slot(slots, len(v), now) for v in views]
+    missing = [i for i, p in enumerate(picks) if p is None]
+    if missing:
+        lengths = [len(views[i]) for i in missing]
+        r = exchange([P.ShmReserveRequest(arena_id=store.id, lengths=lengths)], None)[0]
+        if isinstance(r, P.ErrorReply) and r.code in (P.ErrorCode.UNKNOWN_TYPE,
+                                                       P.ErrorCode.BAD_VERSION):
+            raise ReserveRefused(f"{r.code}: {r.message}")
+        checked(r, P.ShmReserveReply, len(missing))
+        assert isinstance(r, P.ShmReserveReply)
+        for i, off, gen in zip(missing, r.offsets, r.gens):
+            if off >= 0:
+                picks[i] = (off, gen)
+    idx: list[int] = []  # records written, and where
+    offsets: list[int] = []
+    for i, p in enumerate(picks):
+        if p is not None and store.write(p[0], p[1], views[i]):
+            idx.append(i)
+            offsets.append(p[0])
+    chunks = split(len(idx), None, batch_keys, 0)
+    again = [[len(views[idx[j]]) for j in c] for c in chunks]
+    reqs = [P.ShmCommitRequest(arena_id=store.id, keys=[keys[idx[j]] for j in c],
+                               offsets=[offsets[j] for j in c], reserve=n)
+            for c, n in zip(chunks, again)]
+    for c, n, r in zip(chunks, again, exchange(reqs, None) if reqs else []):
+        checked(r, P.ShmCommitReply, len(c))
+        assert isinstance(r, P.ShmCommitReply)
+        for j, stored in zip(c, r.stored):
+            res[idx[j]] = stored is True
+        if len(r.offsets) == len(n):
+            # Used before half their time is up: the server's clock never runs out first.
+            use_by = now + r.expires_ms / 2000
+            for length, off, gen in zip(n, r.offsets, r.gens):
+                if off >= 0:
+                    slots.setdefault(length, []).append((off, gen, use_by))
+    return res
+
+
+def _take_slot(
+    slots: dict[int, list[tuple[int, int, float]]], length: int, now: float
+) -> tuple[int, int] | None:
+    """A reserved slot for a record of `length` bytes (offset, generation), if one is held and
+    still in time."""
+    stock = slots.get(length)
+    while stock:
+        off, gen, use_by = stock.pop()
+        if use_by > now:
+            return off, gen
+    return None
+
+
+def locate_get(
+    exchange: Exchange,
+    store: StoreMap,
+    keys: Sequence[str],
+    out: Sequence[memoryview],
+    batch_keys: int,
+    landed: Callable[[int, int], None] | None = None,
+) -> list[int]:
+    """Read `keys` into `out` from the server's arena: per key the stored length (-1: absent;
+    `NOT_MAPPED`: read it another way). `landed(i, length)` runs as each record is copied (its
+    check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
+    one mapped (it restarted)."""
+    res = [-1] * len(keys)
+    chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
+
+    def copy(i_req: int, r: P.Reply) -> None:
+        c = chunks[i_req]
+        if isinstance(r, P.ErrorReply):
+            if r.code == P.ErrorCode.NO_SHM:
+                raise ShmLost(r.message)
+            raise StorageError(f"server answered {r.code}: {r.message}")
+        if not isinstance(r, P.ShmLocateReply) or len(r.lengths) != len(c):
+            raise StorageError("server answered a malformed shm_locate reply")
+        if r.arena_id != store.id:
+            raise ShmLost("the server's store is not the one mapped")
+        for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
+            if n < 0:
+                res[i] = -1
+            elif n != len(out[i]):
+                res[i] = n  # the caller sees the wrong length: a miss, nothing copied
+            else:
+                res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
+                if landed is not None and res[i] == n:
+                    landed(i, n)
+
+    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
+             copy)
+    return res
+
+
+class ReserveRefused(Exception):
+    """The server does not take writes into its store (an older protocol)."""
+
+
+class StoreAccess:
+    """One client's use of the server's store: mapped on first use (once; a refusal or a
+    failure to map turns it off for good), written into until the server refuses reservations,
+    and counted."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.map: StoreMap | None = None
+        self.wanted = wanted  # map the store when asked (False: no shm, or it cannot be used)
+        self.writes_wanted = wanted  # write records into reserved slots
+        self._lock = threading.Lock()
+        self.reads = 0  # records copied in place from the store
+        self.fallbacks = 0  # records located but read another way (not there, or moved)
+        self.writes = 0  # records written in place into the store
+        self.write_fallbacks = 0  # records sent another way (no slot reserved, or it moved)
+
+    def mapped(self, call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
+        """The store, mapped (asked for once with `call`; None when the server has none or it
+        cannot be mapped here, e.g. another host)."""
+        store = self.map
+        if store is not None or not self.wanted:
+            return store
+        with self._lock:
+            if self.map is None and self.wanted:
+                try:
+                    self.map = map_store(call)
+                except (OSError, StorageError) as e:
+                    logger.info("hicache backend: not using the server's store in place: %s", e)
+                if self.map is None:
+                    self.wanted = False
+                else:
+                    logger.info("hicache backend: reading and writing pages in place in the "
+                                "server's store")
+            return self.map
+
+    def refused_writes(self, why: str) -> None:
+        if self.writes_wanted:
+            self.writes_wanted = False
+            logger.info("hicache backend: the server takes no writes into its store (%s); "
+                        "sets go through the region", why)
+
+    def count(self, reads: int = 0, fallbacks: int = 0, writes: int = 0,
+              write_fallbacks: int = 0) -> None:
+        with self._lock:
+            self.reads += reads
+            self.fallbacks += fallbacks
+            self.writes += writes
+            self.write_fallbacks += write_fallbacks
