@@ -1,10 +1,11 @@
 """The server's page store in shared memory: same-host clients read pages in place (one copy).
 
-The arena is one file in /dev/shm (mode 0600, a random name) that the server maps read-write and
-same-host clients of the same user map read-only (`map_store`). A page record that lives in the
-arena is an `ArenaSlot`; a `shm_locate` request answers (offset, length, generation) per key and
-the client copies the record straight from its mapping into the caller's buffer: no server-side
-copy, no socket bytes. Layout:
+The arena is one file in /dev/shm (mode 0600, a random name) that the server and same-host
+clients of the same user map (`map_store`). A page record that lives in the arena is an
+`ArenaSlot`; a `shm_locate` request answers (offset, length, generation) per key and the client
+copies the record straight from its mapping into the caller's buffer: no server-side copy, no
+socket bytes. Writes go the other way: the server reserves a slot (`reserve`), the client copies
+the record into it and commits it (`storage_backends.server.reservations`). Layout:
 
     [0, 64)                header: magic, arena id, block size, table bytes, data bytes
     [64, 64 + table)       generation table: one little-endian u64 per data block
