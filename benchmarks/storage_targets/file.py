@@ -1,4 +1,9 @@
-"""`file` backend and its raw baseline (plain write / readinto of the same bytes)."""
+"""`file` backend and its raw baseline (plain write / readinto of the same bytes).
+
+Two diagnostic targets say where the backend's time goes: `file-io` is its reads without the
+record check; `file-raw-xxh3` is the raw baseline plus the one XXH3-64 pass over each record
+that any checked read must make (the floor of a validated read on this machine).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+
+import xxhash
 
 from benchmarks.storage_targets import (
     BackendClient,
@@ -74,10 +81,27 @@ class RawFileClient:
         pass
 
 
+class RawHashedFileClient(RawFileClient):
+    """The raw baseline plus one XXH3-64 pass over each record read (no header checks, no
+    index): what a read that validates its bytes cannot do without."""
+
+    def get(self, keys: list[str], out: list[memoryview]) -> int:
+        hits = super().get(keys, out)
+        for o in out:
+            xxhash.xxh3_64_intdigest(o)
+        return hits
+
+
 @contextmanager
 def _start_raw(tmp: Path) -> Iterator[ClientFactory]:
     root = tmp / "file-raw"
     yield lambda: RawFileClient(root)
+
+
+@contextmanager
+def _start_raw_hashed(tmp: Path) -> Iterator[ClientFactory]:
+    root = tmp / "file-raw-xxh3"
+    yield lambda: RawHashedFileClient(root)
 
 
 TARGETS = [
@@ -86,4 +110,5 @@ TARGETS = [
     # The backend's own I/O path, reads without record validation: where the time goes.
     Target("file-io", _starter(UnverifiedBackendClient, "file-io"),
            marks=("diagnostic", "vs:file-raw")),
+    Target("file-raw-xxh3", _start_raw_hashed, marks=("diagnostic", "vs:file-raw")),
 ]

@@ -46,6 +46,7 @@ HEADER = struct.Struct("<8sQQQQ")  # magic, arena id, block bytes, table bytes, 
 HEADER_BYTES = 64
 MAGIC = b"HCARENA1"
 NAME_PREFIX = "hicache-store-"
+_CLEAR = 16  # bytes cleared at the start of every slot handed out
 _STALE_NAME = re.compile(re.escape(NAME_PREFIX) + r"(\d+)-[0-9a-f]+")
 
 
@@ -226,9 +227,13 @@ class Arena:
             return None
         gen = self._next_gen()
         self._gens[start] = gen
+        off = self.data_start + start * BLOCK
+        # The record that had these blocks before must not pass for the new one (a slot
+        # committed unwritten): its first bytes (a record's magic) are cleared.
+        self.buf[off : off + min(n, _CLEAR)] = bytes(min(n, _CLEAR))
         self.counters["arena_slots"] += 1
         self.counters["arena_bytes"] += n
-        return ArenaSlot(self.data_start + start * BLOCK, n, blocks, gen)
+        return ArenaSlot(off, n, blocks, gen)
 
     def store(self, record: memoryview) -> ArenaSlot | None:
         """A slot holding a copy of `record`; None when no room (the caller keeps its copy)."""

@@ -162,6 +162,33 @@ def test_reserve_write_commit(tmp_path: Path) -> None:
             other.close()
 
 
+def test_a_slot_committed_unwritten_is_never_its_old_record(tmp_path: Path) -> None:
+    """A (buggy) client that commits a slot it did not write must not resurrect the record
+    that had those blocks before: every slot handed out starts cleared, so the record fails its
+    check (a counted miss)."""
+    c = codec(PAYLOAD)
+    key, rec = page_key("unwritten", 0), page_record(c, "unwritten", 0)
+    with hicache_server(tmp_path) as srv:
+        raw, b = RawClient(srv.url), srv.client()
+        try:
+            m, store = _map(raw)
+            r = _reserve(raw, m.arena_id, [len(rec)])
+            assert isinstance(r, P.ShmReserveReply)
+            assert store.write(r.offsets[0], r.gens[0], memoryview(rec))
+            assert _commit(raw, m.arena_id, [key], r.offsets).stored == [True]
+            b.delete([key])  # its blocks are free again, its bytes still there
+            again = _reserve(raw, m.arena_id, [len(rec)])
+            assert isinstance(again, P.ShmReserveReply) and again.offsets == r.offsets
+            assert _commit(raw, m.arena_id, [key], again.offsets).stored == [True]
+            out = memoryview(bytearray(len(rec)))
+            assert b.batch_get([key], [out]) == [False]
+            assert b.stats().corrupt_pages == 1
+            store.close()
+        finally:
+            raw.close()
+            b.close()
+
+
 def test_a_detached_connection_gives_its_reservations_back(tmp_path: Path) -> None:
     with hicache_server(tmp_path) as srv:
         raw = RawClient(srv.url)
