@@ -96,8 +96,11 @@ class RecordChecker:
     its buffer (a large one is checked on a `check_pool` thread, the GIL released), `results`
     when the batch is read. So the check of record i overlaps the read of record i+1."""
 
-    def __init__(self, backend: StorageBackend, n: int) -> None:
+    def __init__(self, backend: StorageBackend, n: int, *, offload: bool = True) -> None:
+        """`offload=False`: check every record in the calling thread (a record this thread has
+        just copied is in its cache; handing it to another core costs more than the check)."""
         self._backend = backend
+        self._offload = offload
         self._res: list[Checked] = [_ABSENT] * n
         self._pending: list[tuple[int, int, Future[str | None]]] = []
 
@@ -105,7 +108,7 @@ class RecordChecker:
         """Record i (`key`, stored length `length`, -1 when absent) was read into `buf`."""
         if length < 0:
             return
-        if length >= OFFLOAD_CHECK_BYTES and length == memoryview(buf).nbytes:
+        if self._offload and length >= OFFLOAD_CHECK_BYTES and length == memoryview(buf).nbytes:
             fut = check_pool().submit(self._backend.check_record, key, length, buf)
             self._pending.append((i, length, fut))
         else:

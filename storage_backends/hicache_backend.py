@@ -309,8 +309,8 @@ class HiCacheServerBackend(StorageBackend):
         return run
 
     def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
-        # Records read in place are checked (off this thread) while the next ones are copied.
-        checker = RecordChecker(self, len(keys))
+        # Records read in place are checked by this thread as each is copied, while in its cache.
+        checker = RecordChecker(self, len(keys), offload=False)
         early: set[int] = set()
 
         def landed(i: int, n: int) -> None:

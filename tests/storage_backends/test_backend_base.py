@@ -278,6 +278,22 @@ def test_default_get_checks_large_records_on_check_threads() -> None:
     assert (st.get_hits, st.corrupt_pages) == (5, 1) and keys[2] not in b.data
 
 
+def test_record_checker_without_offload_checks_in_the_calling_thread() -> None:
+    b = _WhoChecks(_config())
+    big = make_codec(OFFLOAD_CHECK_BYTES)
+    keys = make_keys(3)
+    recs = make_records(big, keys)
+    bad = bytearray(recs[1])
+    bad[HEADER_BYTES + 4321] ^= 0x01
+    c = RecordChecker(b, 3, offload=False)
+    for i, (k, r) in enumerate(zip(keys, [recs[0], bad, recs[2]])):
+        c.add(i, k, len(r), memoryview(r))
+        assert b.checked_by[k] == "MainThread"  # checked at once, before the next add
+    res = c.results()
+    assert [r.problem is None for r in res] == [True, False, True]
+    assert "checksum" in (res[1].problem or "")
+
+
 def test_record_checker_reports_absent_and_wrong_length() -> None:
     b = _DictBackend(_config())
     codec = make_codec(OFFLOAD_CHECK_BYTES)
