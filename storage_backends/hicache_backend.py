@@ -15,8 +15,8 @@ key              meaning                                           default
 ``tune_malloc``  let glibc reuse freed large blocks (process-wide;   true
                  see `storage_backends.server.store.tune_malloc`):
                  ~3x faster receives of 1 MiB pages
-``shm``          offer the server a shared-memory region per       true
-                 connection (same host; `storage_backends.hicache_shm`)
+``shm``          a shared-memory region per connection, and the    true
+                 server's store (same host; hicache_shm, _store)
 ``shm_bytes``    size of each connection's region; a batch larger  4 x ``batch_bytes``
                  goes in rounds of requests of 1/8 of it, a record
                  larger goes over TCP
