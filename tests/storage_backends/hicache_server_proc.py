@@ -135,6 +135,23 @@ class HiCacheServerProc:
         return HiCacheServerBackend(StorageConfig(extra=cfg, namespace=NAMESPACE.hex()))
 
 
+class OldProtocolServer(HiCacheServerProc):
+    """A server that speaks only protocol `versions`, as released before a newer one: every
+    message of a later version gets `bad_version`."""
+
+    def __init__(self, tmp: Path, versions: Sequence[int], **kw: Any) -> None:
+        super().__init__(tmp, **kw)
+        self.versions = tuple(versions)
+
+    def _launcher(self) -> list[str]:
+        boot = (
+            "import runpy, sys; import storage_backends.server.protocol as P; "
+            f"P.CODEC.versions = {self.versions!r}; sys.argv[0] = 'hicache-server'; "
+            "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
+        )
+        return [sys.executable, "-c", boot]
+
+
 @contextmanager
 def hicache_server(tmp: Path, **kw: Any) -> Iterator[HiCacheServerProc]:
     """Start a server, yield it, always stop it."""

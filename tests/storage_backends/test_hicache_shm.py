@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from storage_backends.hicache_shm import ClientRegion, plan
 from storage_backends.server import protocol as P
 from tests.procs import free_port
 from tests.storage_backends.hicache_server_proc import (
-    HiCacheServerProc,
+    OldProtocolServer,
     RawClient,
     codec,
     hicache_server,
@@ -348,22 +347,9 @@ def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
         shm.close()
 
 
-class _Version1Server(HiCacheServerProc):
-    """A server that speaks protocol version 1 only, as released before the shm path: every
-    version-2 message gets `bad_version`."""
-
-    def _launcher(self) -> list[str]:
-        boot = (
-            "import runpy, sys; import storage_backends.server.protocol as P; "
-            "P.CODEC.versions = (1,); sys.argv[0] = 'hicache-server'; "
-            "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
-        )
-        return [sys.executable, "-c", boot]
-
-
 def test_new_client_on_a_version_1_server_uses_tcp(tmp_path: Path) -> None:
     keys, recs = _pages("v1", 4)
-    srv = _Version1Server(tmp_path).start()
+    srv = OldProtocolServer(tmp_path, (1,)).start()
     try:
         b = srv.client()
         assert b.shm_enabled is False

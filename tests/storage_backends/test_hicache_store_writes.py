@@ -8,7 +8,6 @@ server without a store, or that does not know the request, is written through th
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from storage_backends.hicache_store import StoreMap
@@ -17,7 +16,7 @@ from storage_backends.server.arena import BLOCK, Arena
 from storage_backends.server.reservations import Reservations
 from storage_backends.server.store import PageStore
 from tests.storage_backends.hicache_server_proc import (
-    HiCacheServerProc,
+    OldProtocolServer,
     RawClient,
     codec,
     hicache_server,
@@ -255,24 +254,11 @@ def test_without_a_store_sets_go_through_the_region(tmp_path: Path) -> None:
         b.close()
 
 
-class _Version3Server(HiCacheServerProc):
-    """A server that speaks protocol versions 1-3, as released before writes into the store:
-    `shm_reserve` gets `bad_version`."""
-
-    def _launcher(self) -> list[str]:
-        boot = (
-            "import runpy, sys; import storage_backends.server.protocol as P; "
-            "P.CODEC.versions = (1, 2, 3); sys.argv[0] = 'hicache-server'; "
-            "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
-        )
-        return [sys.executable, "-c", boot]
-
-
 def test_new_client_on_a_version_3_server_writes_through_the_region(tmp_path: Path) -> None:
     c = codec(PAYLOAD)
     keys = [page_key("v3", i) for i in range(6)]
     recs = [page_record(c, "v3", i) for i in range(6)]
-    srv = _Version3Server(tmp_path).start()
+    srv = OldProtocolServer(tmp_path, (1, 2, 3)).start()
     try:
         b = srv.client()
         assert b.batch_set(keys[:3], [memoryview(r) for r in recs[:3]]) == [True] * 3
