@@ -219,6 +219,13 @@ def plan(sizes: Sequence[int], batch_keys: int, batch_bytes: int, region: int) -
     return [r for r in rounds if r]
 
 
+# The per-record field of each reply to a shared-memory request.
+_RESULTS: dict[type[P.Reply], str] = {
+    P.SetReply: "stored", P.ShmCommitReply: "stored", P.ShmGetReply: "lengths",
+    P.ShmLocateReply: "lengths", P.ShmReserveReply: "offsets",
+}
+
+
 def checked(reply: P.Reply, kind: type[P.Reply], n: int) -> None:
     """Raise unless `reply` is a `kind` with `n` results (`ShmLost` for `no_shm`)."""
     if isinstance(reply, P.ErrorReply):
@@ -227,9 +234,7 @@ def checked(reply: P.Reply, kind: type[P.Reply], n: int) -> None:
         raise StorageError(f"server answered {reply.code}: {reply.message}")
     if not isinstance(reply, kind):
         raise StorageError(f"server answered {reply.TYPE} to a shm request")
-    got = len(reply.lengths if isinstance(reply, P.ShmGetReply) else
-              reply.offsets if isinstance(reply, P.ShmReserveReply) else
-              getattr(reply, "stored", []))
+    got = len(getattr(reply, _RESULTS[kind]))
     if got != n:
         raise StorageError(f"server answered {got} results for {n} keys")
 

@@ -205,12 +205,8 @@ def locate_get(
 
     def copy(i_req: int, r: P.Reply) -> None:
         c = chunks[i_req]
-        if isinstance(r, P.ErrorReply):
-            if r.code == P.ErrorCode.NO_SHM:
-                raise ShmLost(r.message)
-            raise StorageError(f"server answered {r.code}: {r.message}")
-        if not isinstance(r, P.ShmLocateReply) or len(r.lengths) != len(c):
-            raise StorageError("server answered a malformed shm_locate reply")
+        checked(r, P.ShmLocateReply, len(c))
+        assert isinstance(r, P.ShmLocateReply)
         if r.arena_id != store.id:
             raise ShmLost("the server's store is not the one mapped")
         for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):

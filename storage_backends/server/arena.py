@@ -50,6 +50,11 @@ _CLEAR = 16  # bytes cleared at the start of every slot handed out
 _STALE_NAME = re.compile(re.escape(NAME_PREFIX) + r"(\d+)-[0-9a-f]+")
 
 
+def blocks_for(n: int) -> int:
+    """Blocks a record of `n` bytes takes (at least one)."""
+    return max(1, -(-n // BLOCK))
+
+
 def supported() -> bool:
     """Whether readers may rely on the generation check (store and load order: x86-64)."""
     return platform.machine().lower() in ("x86_64", "amd64")
@@ -218,7 +223,7 @@ class Arena:
     def reserve(self, n: int) -> ArenaSlot | None:
         """A slot for a record of `n` bytes (its generation current, its bytes not written);
         None when no room."""
-        blocks = max(1, -(-n // BLOCK))
+        blocks = blocks_for(n)
         start = self._free.take(blocks)
         if start is None or not self._reserve(start + blocks):
             if start is not None:

@@ -26,14 +26,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from storage_backends.server.arena import BLOCK, ArenaSlot
+from storage_backends.server.arena import BLOCK, ArenaSlot, blocks_for
 
 TTL_S = 30.0
-
-
-def _room(n: int) -> int:
-    """Arena bytes a record of `n` bytes takes (whole blocks)."""
-    return max(1, -(-n // BLOCK)) * BLOCK
 
 
 class Reservations:
@@ -67,11 +62,11 @@ class Reservations:
         for n in lengths:
             used = self._bytes.get(ident, 0)
             slot = None
-            if 0 < n <= max_record and used + _room(n) <= self.per_conn_bytes:
+            if 0 < n <= max_record and used + blocks_for(n) * BLOCK <= self.per_conn_bytes:
                 slot = self._reserve(n)
             if slot is not None:
                 held[slot.offset] = slot
-                self._bytes[ident] = used + _room(n)
+                self._bytes[ident] = used + slot.blocks * BLOCK
                 self._deadlines.append((now + self.ttl_s, ident, slot.offset, slot))
                 self.counters["reserved_slots"] += 1
             out.append(slot)
@@ -115,7 +110,7 @@ class Reservations:
     def _forget(self, ident: bytes, offset: int) -> ArenaSlot:
         held = self._held[ident]
         slot = held.pop(offset)
-        self._bytes[ident] -= _room(slot.length)
+        self._bytes[ident] -= slot.blocks * BLOCK
         if not held:
             del self._held[ident]
             del self._bytes[ident]

@@ -104,11 +104,12 @@ class PageStore:
     def put(self, key: str, value: Value, *, to_arena: bool = False) -> tuple[bool, list[str]]:
         """Store one page; returns (stored, keys evicted to make room). `to_arena`: `value` is
         a transient view (a client's region) whose bytes are copied, into the arena when it has
-        room, else into the heap."""
+        room, else into the heap. An arena slot given and refused is freed."""
         with self._lock:
             size = nbytes(value)
             if self.capacity_bytes and size > self.capacity_bytes:
                 self.counters.rejected += 1
+                self._drop([value])
                 return False, []
             old = self._lru.pop(key)
             dropped = self._lru.make_room(size) or []
@@ -123,7 +124,7 @@ class PageStore:
 
     def reserve(self, n: int) -> ArenaSlot | None:
         """An arena slot for a record of `n` bytes that a client will write (not in the map
-        until `put_slot`); None without an arena or room."""
+        until `put`); None without an arena or room."""
         with self._lock:
             return self.arena.reserve(n) if self.arena is not None else None
 
@@ -131,14 +132,6 @@ class PageStore:
         """Give back a reserved slot that will not be stored."""
         with self._lock:
             self._drop([slot])
-
-    def put_slot(self, key: str, slot: ArenaSlot) -> tuple[bool, list[str]]:
-        """Store a reserved slot the client has written under `key` (as `put`); a slot that
-        is refused is freed."""
-        ok, evicted = self.put(key, slot)
-        if not ok:
-            self.free(slot)
-        return ok, evicted
 
     def promote(self, key: str, value: Value) -> Value:
         """Move a heap value held under `key` into the arena (same recency); what is held now."""

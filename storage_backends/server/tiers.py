@@ -125,7 +125,8 @@ class Tiers:
         ok, evicted = self.store.put(key, value, to_arena=to_arena)
         self._evicted(evicted)
         if ok and persist and self.persist is not None:
-            self._persist(key, value, deadline)
+            # The queue holds bytes that outlive the value (a slot is freed when evicted).
+            self._persist(key, self.frame(value), deadline)
         return ok
 
     def _evicted(self, keys: list[str]) -> None:
@@ -170,31 +171,18 @@ class Tiers:
         """Store the records `ident` wrote into its reservations: per key whether stored, and
         the bytes stored."""
         self.reservations.expire()
-        slots = [self.reservations.take(ident, off) for off in offsets]
-        fresh = [True] * len(keys)
-        if self.persist is not None:
-            found = [i for i, s in enumerate(slots) if s is not None]
-            for i, ok in zip(found, self.persist.supersede([keys[i] for i in found])):
-                fresh[i] = ok
+        found = [(i, s) for i, s in enumerate(self.reservations.take(ident, off)
+                                               for off in offsets) if s is not None]
+        names = [keys[i] for i, _ in found]
+        fresh = self.persist.supersede(names) if self.persist is not None else [True] * len(found)
         deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
-        out: list[bool] = []
-        stored_bytes = 0
-        for key, slot, ok in zip(keys, slots, fresh):
-            if slot is None:
-                out.append(False)
-                continue
-            if not ok:
+        out = [False] * len(keys)
+        for (i, slot), ok in zip(found, fresh):
+            if ok:
+                out[i] = self._put_memory(keys[i], slot, persist=True, deadline=deadline)
+            else:
                 self.store.free(slot)
-                out.append(False)
-                continue
-            stored, evicted = self.store.put_slot(key, slot)
-            self._evicted(evicted)
-            if stored:
-                stored_bytes += slot.length
-                if self.persist is not None:
-                    self._persist(key, self.store.view(slot).tobytes(), deadline)
-            out.append(stored)
-        return out, stored_bytes
+        return out, sum(slot.length for i, slot in found if out[i])
 
     def delete(self, keys: list[str]) -> int:
         n = self.store.delete(keys)

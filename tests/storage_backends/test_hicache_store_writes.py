@@ -54,11 +54,25 @@ def test_reservations_are_per_connection_and_bounded() -> None:
         assert book.take(b"A", s1.offset) is s1
         assert book.take(b"A", s1.offset) is None  # once
         assert book.slots == 2
-        assert store.put_slot("k1", s1) == (True, [])
+        assert store.put("k1", s1) == (True, [])
         assert store.view(store.get(["k1"])[0]).nbytes == 3 * BLOCK
         # Its blocks are B's to reserve again only after A gives them back.
         assert book.drop(b"A") == 2 and book.slots == 0
         assert arena.counters["arena_slots"] == 1  # k1, stored
+    finally:
+        arena.close()
+
+
+def test_a_slot_the_store_refuses_is_freed() -> None:
+    arena = Arena(8 * BLOCK)
+    store = PageStore(2 * BLOCK, arena)  # holds no record over two blocks
+    try:
+        slot = store.reserve(3 * BLOCK)
+        assert slot is not None and arena.counters["arena_slots"] == 1
+        gen = slot.gen
+        assert store.put("big", slot) == (False, [])
+        assert arena.counters["arena_slots"] == 0 and arena.gen_of(slot.offset) != gen
+        assert store.counters.rejected == 1 and store.pages == 0
     finally:
         arena.close()
 
