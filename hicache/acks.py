@@ -141,11 +141,17 @@ class Acks:
                 x.host_value = None
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for every background transfer (and the ones their acks start) to finish."""
+        """Wait for every background transfer (and the ones their acks start) to finish. Under
+        tensor parallelism every rank leaves together: when all ranks are idle, or when any
+        rank timed out (then every rank raises)."""
+        ctl = self.c.controller
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.c.controller.wait_idle(left):
+            idle = ctl.wait_idle(left)
+            applied = self.poll()
+            in_time, drained = ctl.all_true(idle, ctl.pending == 0)
+            if not in_time:
                 raise TimeoutError("background transfers did not finish in time")
-            if self.poll() == 0 and self.c.controller.pending == 0:
+            if applied == 0 and drained:
                 return

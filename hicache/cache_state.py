@@ -18,7 +18,7 @@ from hicache.emit import Emitter
 from hicache.errors import ConfigError
 from hicache.events import EventSink
 from hicache.eviction import Candidates, device_candidate, host_candidate, make_policy
-from hicache.integrity import check_integrity, usage
+from hicache.integrity import check_integrity, state_digest, usage
 from hicache.keys import KeyChain, namespace_seed
 from hicache.pools import DeviceKVPool, HostKVPool, PageAllocator, dtype_name
 from hicache.prefetch import Prefetcher
@@ -26,6 +26,7 @@ from hicache.radix import RadixTree, TreeNode
 from hicache.sim_storage import SimStorage
 from hicache.stats import CacheStats
 from hicache.storage import BackendStats, PageCodec, StorageBackend
+from hicache.sync import SOLO, RankSync
 from hicache.wiring import host_pages_for, make_backend, make_codec, make_controller
 
 logger = logging.getLogger("hicache.hiradix")
@@ -44,8 +45,15 @@ class CacheState:
         num_host_pages: int | None = None,
         sim_storage: SimStorage | None = None,
         event_sink: EventSink | None = None,
+        sync: RankSync = SOLO,
+        shared_storage: bool = False,
     ) -> None:
+        """`sync`: agreement with the other tensor-parallel ranks (`hicache.sync`).
+        `shared_storage`: every rank holds the same pages under the same keys (MLA's one
+        latent): only the rank `sync.writes_shared` names writes L3; every rank reads it."""
         self.config = config
+        self.sync = sync
+        self.writes_storage = sync.writes_shared or not shared_storage
         self.page_size = ps = config.page_size
         self.simulated = config.simulated
         self.device_pool = device_pool
@@ -130,7 +138,7 @@ class CacheState:
     def _make_backend(self, name: str, extra: object) -> StorageBackend:
         assert self.host_pool is not None
         self.codec = make_codec(self.host_pool, self.namespace, self.page_size)
-        return make_backend(name, extra, self.namespace, self.codec)
+        return make_backend(name, extra, self.namespace, self.codec, self.sync)
 
     def _make_controller(self) -> TransferController:
         if self.storage is not None and self.codec is None:
@@ -139,6 +147,7 @@ class CacheState:
         return make_controller(
             self.config, device_pool=self.device_pool, host_pool=self.host_pool,
             storage=self.storage, codec=self.codec, sim_storage=self.sim_storage,
+            sync=self.sync, writes_storage=self.writes_storage,
         )
 
     def _storage_name(self) -> str:
@@ -307,6 +316,10 @@ class CacheState:
     def usage(self) -> dict[str, int]:
         """Pool and tree occupancy, in pages and tokens."""
         return usage(self, len(self.prefetcher))
+
+    def state_digest(self) -> list[int]:
+        """Numbers that equal ranks' caches share (`hicache.integrity.state_digest`)."""
+        return state_digest(self, len(self.prefetcher))
 
     def check_integrity(self, outside_device_pages: int | None = None) -> None:
         """Raise AssertionError, with the numbers, when any invariant is broken (the list is in

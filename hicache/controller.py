@@ -8,10 +8,12 @@ Four kinds of movement:
 - host -> storage *backup* (asynchronous, acked),
 - storage -> host *prefetch* (asynchronous, progress visible while it runs, acked).
 
-Operations are plain objects. Worker threads fill in their results and put them on one ack
-queue; the owner of the tree (`HiRadixCache.poll`) consumes the acks and changes the tree, so the
-tree is only ever touched by one thread. In synchronous mode (tests, simulation) an operation runs
-inline when submitted and its ack waits in the same queue.
+Operations (`hicache.ops`) are plain objects. Worker threads fill in their results and queue
+them as completed, one FIFO per kind; the owner of the tree (`HiRadixCache.poll`) takes the acks
+and changes the tree, so the tree is only ever touched by one thread. In synchronous mode (tests,
+simulation) an operation runs inline when submitted and its ack waits in the same queue. Under
+tensor parallelism (`hicache.sync`) the owner takes, per kind, only as many acks as every rank
+has, and the ranks agree on what the operations found before the tree uses it.
 
 A storage backend that raises is not retried for `storage_retry_backoff` seconds (a `hicache.backoff.Backoff`, doubling up to
 30 s): meanwhile prefetches are not started and backups are dropped (counted). Worker threads
@@ -24,118 +26,23 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from hicache.backoff import Backoff
 from hicache.costmodel import CostModel, LoadPlan
+from hicache.ops import KINDS, BackupOp, Op, PrefetchOp, Transfer, WriteOp, kind_of
+from hicache.sync import SOLO, RankSync
 from hicache.transfer import DONE, LayerDoneCounter
 from hicache.transfer_tensor import TensorTransfer, fetch_pipelined, start_readers
-
-if TYPE_CHECKING:
-    from hicache.radix import Tokens, TreeNode
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
 # A prefetch is split across reader threads only into sub-batches of at least this many pages.
 MIN_READ_PAGES = 16
-
-
-# --------------------------------------------------------------------------------------------
-# Operations
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class WriteOp:
-    """device -> host copy of one node's pages. The node is locked until the ack."""
-
-    node: TreeNode
-    device_pages: list[int]
-    host_pages: list[int]
-    keys: list[str] = field(default_factory=list)  # L3 keys of the pages (when L3 is set)
-    error: str | None = None
-    ready: Any = None  # CUDA event recorded on the compute stream at submission
-    event: Any = None  # completion of the copy (acked once it has happened)
-
-
-@dataclass(eq=False)
-class BackupOp:
-    """host -> storage of pages. `node` is host-pinned until the ack; when the node already left
-    the tree (write_back host eviction) `node` is None and the pages are freed at the ack."""
-
-    node: TreeNode | None
-    host_pages: list[int]
-    keys: list[str]
-    written: int = 0
-    skipped: int = 0  # already present in storage
-    failed: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class PrefetchOp:
-    """storage -> host of the pages of `tokens` after `start_page`, stopping at the first miss.
-
-    Thread-side fields (`completed`, `done`, counters) are written by the prefetch worker;
-    cache-side fields (`taken`, `cancelled`, `released`) only by the tree's owner.
-    """
-
-    request_id: str
-    anchor: TreeNode
-    tokens: Tokens
-    start_page: int
-    keys: list[str]
-    host_pages: list[int]
-    started: float
-    budget_s: float
-    completed: int = 0  # leading pages written to host and valid
-    stop: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    nbytes: int = 0
-    seconds: float = 0.0
-    corrupt: int = 0
-    error: str | None = None
-    taken: int | None = None  # pages the cache inserted into the tree
-    cancelled: bool = False
-    released: bool = False  # leftover host pages given back
-
-
-Op = WriteOp | BackupOp | PrefetchOp
-
-
-# --------------------------------------------------------------------------------------------
-# Data movement
-# --------------------------------------------------------------------------------------------
-
-
-class Transfer(Protocol):
-    """How bytes move. `TensorTransfer` for real pools; `SimTransfer` moves nothing."""
-
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
-        """Start the copy; return its completion `Event` (or None: finished). `TensorTransfer`
-        also takes `ready` (an event the copy waits for)."""
-        ...
-
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
-        """Start the copy; return a `LayerDoneCounter` (or None: finished). `TensorTransfer`
-        also takes `layerwise`."""
-        ...
-
-    def exists(self, keys: Sequence[str]) -> int: ...
-
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None: ...
-
-    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
-        """Fetch pages in order into `host_pages`, advancing `op.completed`; return False at the
-        first missing or invalid page."""
-        ...
-
 
 __all__ = ["BackupOp", "PrefetchOp", "TensorTransfer", "Transfer", "TransferController", "WriteOp"]
 
@@ -158,7 +65,12 @@ class TransferController:
         synchronous: bool = False,
         readers: int = 4,
         load_margin: float = 1.0,
+        sync: RankSync = SOLO,
+        writes_storage: bool = True,
     ) -> None:
+        """`sync`: the tensor-parallel group's agreement (`hicache.sync`; one rank: none).
+        `writes_storage=False`: backups write nothing (another rank writes the pages all ranks
+        share: MLA's one latent, written by rank 0) and count as already present."""
         self.transfer = transfer
         # The transfer that moves bytes: a wrapper (the prefetch prober) exposes it as `inner`.
         # Device <-> host copies and the fast paths go to it directly, so their completion
@@ -170,7 +82,14 @@ class TransferController:
         self.has_storage = has_storage
         self.batch_pages = batch_pages
         self.synchronous = synchronous
-        self._acks: queue.SimpleQueue[Op] = queue.SimpleQueue()
+        self.sync = sync
+        self.writes_storage = writes_storage
+        # Completed operations not yet handed to the owner, per kind, in completion order
+        # (which is submission order within a kind: one worker thread per kind).
+        self._done: dict[str, deque[Op]] = {k: deque() for k in KINDS}
+        self._seq = 0
+        # Whether L3 may be asked, as every rank agreed at the latest `acks()` (TP only).
+        self._storage_agreed = has_storage
         self._pending = 0  # submitted and not yet acked
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
@@ -216,8 +135,26 @@ class TransferController:
     # -- health -------------------------------------------------------------------------------
 
     def storage_available(self) -> bool:
-        """Whether L3 may be asked now (not inside a back-off after a failure)."""
+        """Whether L3 may be asked now (not inside a back-off after a failure): this rank's
+        view, for the worker threads."""
         return self.has_storage and self._breaker.seconds_until_retry() == 0.0
+
+    def storage_usable(self) -> bool:
+        """`storage_available` as the owner's decisions see it: under tensor parallelism, what
+        every rank agreed at the latest `acks()` (all ranks start a prefetch, or none does)."""
+        if self.sync.solo:
+            return self.storage_available()
+        return self.has_storage and self._storage_agreed
+
+    # -- agreement (hicache.sync) -------------------------------------------------------------
+
+    def agree_min(self, *values: int) -> list[int]:
+        """Each value's minimum over the ranks (itself with one rank)."""
+        return self.sync.agree_min(*values) if not self.sync.solo else [int(v) for v in values]
+
+    def all_true(self, *flags: bool) -> list[bool]:
+        """Per flag: whether it holds on every rank."""
+        return self.sync.all_true(*flags) if not self.sync.solo else [bool(f) for f in flags]
 
     def _storage_failed(self, what: str, e: BaseException) -> None:
         """A storage call raised: serve from L1/L2 and back off (doubling up to
@@ -240,6 +177,8 @@ class TransferController:
             raise RuntimeError("transfer controller is closed")
         with self._pending_lock:
             self._pending += 1
+        op.seq = self._seq
+        self._seq += 1
         if self.synchronous:
             self._run(op)
         else:
@@ -270,14 +209,53 @@ class TransferController:
         return n
 
     def acks(self) -> list[Op]:
-        """Every completed operation not yet handed out, in completion order."""
+        """The completed operations not yet handed out, in submission order. Under tensor
+        parallelism: per kind, as many as every rank has completed, with their results agreed
+        (`_agree_results`); one or two collectives."""
         self._sweep_inflight(block=False)
+        counts = [len(self._done[k]) for k in KINDS]
+        if not self.sync.solo:
+            agreed = self.sync.agree_min(*counts, self.storage_available())
+            counts, self._storage_agreed = agreed[:-1], bool(agreed[-1])
         out: list[Op] = []
-        while True:
-            try:
-                out.append(self._acks.get_nowait())
-            except queue.Empty:
-                return out
+        for k, n in zip(KINDS, counts):
+            d = self._done[k]
+            out.extend(d.popleft() for _ in range(n))
+        out.sort(key=lambda op: op.seq)
+        if out and not self.sync.solo:
+            self._agree_results(out)
+        return out
+
+    def _agree_results(self, ops: list[Op]) -> None:
+        """Make every rank see the same results: a prefetch found or read the fewest pages any
+        rank did; a write or backup failed if it failed on any rank. The operations themselves
+        are checked to be the same ones (their submission numbers)."""
+        mins: list[int] = []
+        maxes: list[int] = []
+        for op in ops:
+            if isinstance(op, PrefetchOp):
+                mins.append(op.completed)
+            else:
+                failed = op.error is not None or isinstance(op, BackupOp) and op.failed > 0
+                maxes.append(int(failed))
+        seqs = [sum(op.seq for op in ops), len(ops)]
+        lo, hi = self.sync.agree([*mins, *seqs], [*maxes, *seqs])
+        if lo[len(mins):] != hi[len(maxes):]:
+            from hicache.sync import RankDivergence
+
+            raise RankDivergence(f"ranks acked different operations (rank {self.sync.rank}: "
+                                 f"seqs {[op.seq for op in ops][:8]}...)")
+        i = j = 0
+        for op in ops:
+            if isinstance(op, PrefetchOp):
+                if lo[i] < op.completed:
+                    op.read_here = op.completed
+                op.completed = lo[i]
+                i += 1
+            else:
+                if hi[j] and op.error is None:
+                    op.error = "failed on another tensor-parallel rank"
+                j += 1
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted operation has been acked (not necessarily consumed)."""
@@ -298,7 +276,7 @@ class TransferController:
         scheduler waits for), instead of spinning on `acks()` and starving the workers of the
         GIL. True when an ack is waiting."""
         self._sweep_inflight(block=False)
-        if not self._acks.empty():
+        if any(self._done.values()):
             return True
         if self._pending == 0:
             return False
@@ -313,11 +291,12 @@ class TransferController:
         with self._pending_lock:
             pending = list(self._inflight)
         done: list[WriteOp] = []
-        for op in pending:
+        for op in pending:  # the leading run only: writes are acked in submission order
             if block:
                 op.event.synchronize()
-            if op.event.query():
-                done.append(op)
+            if not op.event.query():
+                break
+            done.append(op)
         if not done:
             return
         with self._pending_lock:
@@ -330,7 +309,7 @@ class TransferController:
     def pending(self) -> int:
         """Operations not yet handed to the owner: running, or acked and waiting in the queue
         (a worker queues its ack before it stops counting the op, so none is ever in neither)."""
-        return self._pending + self._acks.qsize()
+        return self._pending + sum(len(d) for d in self._done.values())
 
     @property
     def threads_alive(self) -> int:
@@ -341,10 +320,16 @@ class TransferController:
 
     def plan_load(self, host_tokens: int, storage_tokens: int, page_size: int = 1) -> LoadPlan:
         """How many host then storage tokens of a cached prefix to load (the rest is cheaper to
-        recompute), from what was measured so far; everything while nothing is measured."""
+        recompute), from what was measured so far; everything while nothing is measured. Under
+        tensor parallelism the ranks (each timed on its own) load the least any rank would."""
         if self.cost is None:
             return LoadPlan(host_tokens, storage_tokens, 0, 0.0, 0.0)
-        return self.cost.plan(host_tokens, storage_tokens, page_size)
+        plan = self.cost.plan(host_tokens, storage_tokens, page_size)
+        if self.sync.solo:
+            return plan
+        h, s = self.sync.agree_min(plan.host_tokens, plan.storage_tokens)
+        rest = host_tokens + storage_tokens - h - s
+        return LoadPlan(h, s, rest, plan.load_s, plan.recompute_s)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The owner reports a forward's prompt tokens and wall time (feeds `plan_load`)."""
@@ -401,7 +386,7 @@ class TransferController:
         return d2h(device_pages, host_pages, ready)
 
     def _ack(self, op: Op) -> None:
-        self._acks.put(op)
+        self._done[kind_of(op)].append(op)
         with self._idle:
             self._pending -= 1
             if self._pending == len(self._inflight):
@@ -413,7 +398,10 @@ class TransferController:
         try:
             if isinstance(op, WriteOp):
                 op.event = self._d2h(op.device_pages, op.host_pages, op.ready)
-                in_flight = op.event is not None and not op.event.query()
+                with self._pending_lock:  # behind an earlier write still in flight: queue up
+                    in_flight = op.event is not None and (
+                        bool(self._inflight) or not op.event.query()
+                    )
             elif isinstance(op, BackupOp):
                 self._run_backup(op)
             else:
@@ -432,6 +420,9 @@ class TransferController:
                 self._ack(op)
 
     def _run_backup(self, op: BackupOp) -> None:
+        if not self.writes_storage:  # another rank writes these shared pages
+            op.skipped = len(op.keys)
+            return
         if not self.storage_available():
             op.failed = len(op.keys)
             return

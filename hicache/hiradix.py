@@ -441,7 +441,7 @@ class HiRadixCache(CacheState):
             write = (
                 self.config.write_policy == "write_back"
                 and self.has_storage
-                and self.controller.storage_available()
+                and self.controller.storage_usable()
             )
             keys = self.storage_keys(node) if write else []
             parent = node.parent

@@ -123,3 +123,19 @@ def check_integrity(c: CacheOwner, outside_device_pages: int | None = None) -> N
         assert used == len(dev_seen) + outside_device_pages, (
             f"device pool: used {used} != tree {len(dev_seen)} + outside {outside_device_pages}"
         )
+
+
+def state_digest(c: CacheOwner, pending: int = 0) -> list[int]:
+    """What must be equal on every tensor-parallel rank, as a few 62-bit numbers: the tree
+    (every node's id, parent, tokens, device and host pages, pins, L3 flag, use count and access
+    time, parents before children), its clock, the free page counts, and `pending` (pending
+    prefetches). `hicache.sync.RankSync.check` compares them across ranks."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for x in c.tree.nodes():
+        parent = x.parent.id if x.parent is not None else 0
+        h.update(repr((x.id, parent, x.key, x.value, x.host_value, x.lock_ref, x.host_ref,
+                       x.stored, x.hit_count, x.last_access)).encode())
+    tree = int.from_bytes(h.digest(), "little") >> 2
+    return [tree, c.tree.tick, c.device_alloc.num_free, c.host_alloc.num_free, pending]

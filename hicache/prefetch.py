@@ -72,7 +72,7 @@ class Prefetcher:
         nodes = c.tree.match_split(t, extra_key)
         matched = sum(x.num_pages for x in nodes)
         n = min(len(t) // ps - matched, self._allowance())
-        if not self.worth_prefetching(n * ps) or not c.controller.storage_available():
+        if not self.worth_prefetching(n * ps) or not c.controller.storage_usable():
             c.counters.prefetch_skipped += 1
             return 0
         anchor = nodes[-1] if nodes else c.tree.root(extra_key)
@@ -111,7 +111,8 @@ class Prefetcher:
             return True
         cost = self.c.controller.cost
         saving = None if cost is None else cost.load_saving("storage", tokens)
-        return saving is not None and saving >= PREFETCH_MIN_SAVING_S
+        # (timed on each rank: every rank prefetches only if every rank would)
+        return self.c.controller.all_true(saving is not None and saving >= PREFETCH_MIN_SAVING_S)[0]
 
     def _allowance(self) -> int:
         share = self.c.config.prefetch_max_host_share
@@ -120,6 +121,7 @@ class Prefetcher:
     def acked(self, op: PrefetchOp) -> None:
         """A prefetch operation finished on the worker (applied on the owner's thread)."""
         c = self.c
+        op.acked = True
         if is_probe(op):
             if self.pending.get(op.request_id) is op:
                 self._fetch(op)
@@ -164,16 +166,18 @@ class Prefetcher:
         c.controller.submit_prefetch(op)
 
     def ready(self, rid: str) -> bool:
-        """Whether the prefetch policy lets request `rid` be scheduled now."""
+        """Whether the prefetch policy lets request `rid` be scheduled now. A fetch counts as
+        done once its ack is applied (a probe's ack replaces it by its fetch, or ends it), so
+        tensor-parallel ranks see the same; the timeout is over when it is over on every rank."""
         op = self.pending.get(rid)
-        if op is None or op.done.is_set() and (not is_probe(op) or op.completed == 0):
+        if op is None or op.acked:
             return True
         policy = self.c.config.prefetch_policy
         if policy == "best_effort":
             return True
         if policy == "wait_complete":
             return False
-        return time.monotonic() - op.started >= op.budget_s
+        return self.c.controller.all_true(time.monotonic() - op.started >= op.budget_s)[0]
 
     def progress(self, rid: str) -> tuple[int, int]:
         """(pages fetched so far, pages being fetched) of a pending prefetch; (0, 0) when none
@@ -191,7 +195,7 @@ class Prefetcher:
         op.stop.set()
         self.c.unpinned(self.c.tree.dec_host_ref(op.anchor))
         trim_path(self.c, op.anchor)
-        if op.done.is_set() and not is_probe(op):
+        if op.acked and not is_probe(op):  # (else released when its ack is applied)
             self.released(op)
 
     def cancel_all(self) -> None:
@@ -211,7 +215,8 @@ class Prefetcher:
             op.cancelled = True
             c.unpinned(c.tree.dec_host_ref(op.anchor))
             return 0
-        take = op.completed
+        # Pages read so far (the worker may still be reading): the fewest any rank has.
+        take = c.controller.agree_min(op.completed)[0]
         # Where the fetched pages attach: the end of their prefix, if the tree still holds all
         # of it (its device-only part may have been evicted meanwhile: then nothing is taken).
         ek = op.anchor.extra_key
@@ -227,7 +232,7 @@ class Prefetcher:
         c.host_inflight[id(op)] = op.host_pages[take:]
         self.held -= take
         c.unpinned(c.tree.dec_host_ref(op.anchor))  # (acquire trims staged copies after this)
-        if op.done.is_set():
+        if op.acked:  # (else released when its ack is applied)
             self.released(op)
         return new_tokens
 
@@ -274,7 +279,8 @@ class Prefetcher:
         self.held -= len(left)
         if left:
             c.host_alloc.free(left)
-        c.counters.prefetch_revoked_pages += max(0, op.completed - (op.taken or 0))
+        read = max(op.completed, op.read_here)  # (more than agreed: read, then given up)
+        c.counters.prefetch_revoked_pages += max(0, read - (op.taken or 0))
 
 
 class ProbingTransfer:

@@ -9,6 +9,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, dtype_name
 from hicache.prefetch import ProbingTransfer
 from hicache.sim_storage import SimStorage, SimTransfer
 from hicache.storage import PageCodec, StorageBackend, StorageConfig, create_backend
+from hicache.sync import SOLO, RankSync
 
 
 def host_pages_for(config: HiCacheConfig, device_pool: DeviceKVPool) -> int:
@@ -30,13 +31,17 @@ def make_codec(host_pool: HostKVPool, namespace: bytes, page_size: int) -> PageC
     )
 
 
-def make_backend(name: str, extra: object, namespace: bytes, codec: PageCodec) -> StorageBackend:
+def make_backend(
+    name: str, extra: object, namespace: bytes, codec: PageCodec, sync: RankSync = SOLO
+) -> StorageBackend:
     return create_backend(
         name,
         StorageConfig(
             extra=dict(extra or {}),  # type: ignore[call-overload]
             namespace=namespace.hex(),
             record_bytes=codec.record_bytes,
+            tp_rank=sync.rank,
+            tp_size=sync.size,
         ),
     )
 
@@ -49,6 +54,8 @@ def make_controller(
     storage: StorageBackend | None,
     codec: PageCodec | None,
     sim_storage: SimStorage | None,
+    sync: RankSync = SOLO,
+    writes_storage: bool = True,
 ) -> TransferController:
     transfer: Transfer
     if config.simulated:
@@ -65,4 +72,6 @@ def make_controller(
         retry_backoff_s=config.storage_retry_backoff,
         synchronous=config.synchronous or config.simulated,
         load_margin=config.load_margin,
+        sync=sync,
+        writes_storage=writes_storage,
     )

@@ -1,0 +1,128 @@
+"""The operations the transfer controller runs, and the `Transfer` protocol that moves bytes.
+
+Operations are plain objects: the owner of the tree builds one, the controller's worker threads
+fill in its results, and the owner applies it when it is acked (`hicache.acks`). Each carries its
+submission number `seq`: within one kind (write, backup, prefetch) operations complete in that
+order, which is what lets tensor-parallel ranks agree on how many of each have completed
+(`hicache.sync`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hicache.radix import Tokens, TreeNode
+
+
+# --------------------------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WriteOp:
+    """device -> host copy of one node's pages. The node is locked until the ack."""
+
+    node: TreeNode
+    device_pages: list[int]
+    host_pages: list[int]
+    keys: list[str] = field(default_factory=list)  # L3 keys of the pages (when L3 is set)
+    error: str | None = None
+    ready: Any = None  # CUDA event recorded on the compute stream at submission
+    event: Any = None  # completion of the copy (acked once it has happened)
+    seq: int = -1  # submission order (set by the controller)
+
+
+@dataclass(eq=False)
+class BackupOp:
+    """host -> storage of pages. `node` is host-pinned until the ack; when the node already left
+    the tree (write_back host eviction) `node` is None and the pages are freed at the ack."""
+
+    node: TreeNode | None
+    host_pages: list[int]
+    keys: list[str]
+    written: int = 0
+    skipped: int = 0  # already present in storage
+    failed: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    seq: int = -1  # submission order (set by the controller)
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """storage -> host of the pages of `tokens` after `start_page`, stopping at the first miss.
+
+    Thread-side fields (`completed`, `done`, counters) are written by the prefetch worker;
+    cache-side fields (`taken`, `cancelled`, `released`) only by the tree's owner.
+    """
+
+    request_id: str
+    anchor: TreeNode
+    tokens: Tokens
+    start_page: int
+    keys: list[str]
+    host_pages: list[int]
+    started: float
+    budget_s: float
+    completed: int = 0  # leading pages written to host and valid
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+    seconds: float = 0.0
+    corrupt: int = 0
+    error: str | None = None
+    taken: int | None = None  # pages the cache inserted into the tree
+    cancelled: bool = False
+    released: bool = False  # leftover host pages given back
+    acked: bool = False  # its completion was applied by the owner (agreed by every rank)
+    # Pages this rank read when the ranks agreed on fewer (`completed` is then the agreed
+    # count); -1: none agreed away.
+    read_here: int = -1
+    seq: int = -1  # submission order (set by the controller)
+
+
+Op = WriteOp | BackupOp | PrefetchOp
+
+
+# --------------------------------------------------------------------------------------------
+# Data movement
+# --------------------------------------------------------------------------------------------
+
+
+class Transfer(Protocol):
+    """How bytes move. `TensorTransfer` for real pools; `SimTransfer` moves nothing."""
+
+    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
+        """Start the copy; return its completion `Event` (or None: finished). `TensorTransfer`
+        also takes `ready` (an event the copy waits for)."""
+        ...
+
+    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
+        """Start the copy; return a `LayerDoneCounter` (or None: finished). `TensorTransfer`
+        also takes `layerwise`."""
+        ...
+
+    def exists(self, keys: Sequence[str]) -> int: ...
+
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None: ...
+
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
+        """Fetch pages in order into `host_pages`, advancing `op.completed`; return False at the
+        first missing or invalid page."""
+        ...
+
+
+def kind_of(op: Op) -> str:
+    """The worker queue an operation runs on: `write`, `backup` or `prefetch`."""
+    if isinstance(op, WriteOp):
+        return "write"
+    return "backup" if isinstance(op, BackupOp) else "prefetch"
+
+
+KINDS = ("write", "backup", "prefetch")
