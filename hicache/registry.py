@@ -2,7 +2,8 @@
 
 Backends are found through the ``hicache.storage_backends`` entry-point group and imported only
 when asked for; `memory` (hicache.memory_backend) is also known by module path, so it works
-from a source tree whose package metadata is not installed.
+from a source tree whose package metadata is not installed. A name of the form `module:Class`
+loads that class directly (a third-party backend without an entry point).
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ def _load(spec: str) -> BackendFactory:
 
 
 def get_backend_class(name: str) -> BackendFactory:
+    """The factory of backend `name`: a registered or entry-point name, or `module:Class` for a
+    backend class no entry point names (as SGLang's `dynamic` backend loads one by module path
+    and class name)."""
     with _registry_lock:
         if name in _registered:
             return _registered[name]
     if name in _BUILTIN:
         return _load(_BUILTIN[name])
+    if ":" in name:
+        try:
+            return _load(name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"storage backend {name!r} cannot be loaded: {e}") from e
     eps = _entry_points()
     if name not in eps:
         raise ConfigError(
