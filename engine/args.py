@@ -74,6 +74,14 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     # Largest decode batch replayed from a CUDA graph (larger batches run eagerly).
     cuda_graph_max_bs: int = 64
+    # Tensor parallelism: ranks (processes) that split the model's heads and MLP columns and each hold their shard of the KV cache (one device each on CUDA; gloo on CPU, NCCL on CUDA).
+    tp_size: int = 1
+    # Seconds a tensor-parallel collective waits for the other ranks before it fails (a dead or diverged rank becomes an error, never a hang).
+    dist_timeout: int = 300
+    # Port for the tensor-parallel process group on 127.0.0.1 (default: a free port).
+    nccl_port: int | None = None
+    # Check after every step that all tensor-parallel ranks' caches and schedulers are in the same state (one more collective per step; for tests and debugging).
+    enable_tp_state_check: bool = False
     # Longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings.
     context_length: int | None = None
     # Size of the device KV pool in tokens (rounded down to pages); None = from mem_fraction_static.
@@ -166,6 +174,12 @@ class EngineArgs:
             f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}",
         )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.dist_timeout >= 1, f"dist_timeout must be >= 1 s, got {self.dist_timeout}")
+        check(
+            self.nccl_port is None or 1 <= self.nccl_port <= 65535,
+            f"nccl_port must be in 1..65535, got {self.nccl_port}",
+        )
         check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs must be >= 0")
         check(
             self.chunked_prefill_size >= self.page_size,

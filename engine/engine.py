@@ -9,153 +9,36 @@ with Engine(enable_hierarchical_cache=True, hicache_storage_backend="file",
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed
 
-from engine.args import EngineArgs
-from engine.demo_model import ensure_demo_model
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_model, model_fingerprint
+from engine.engine_base import EngineBase
 from engine.req import Req
 from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
-from hicache.errors import CapacityError, ConfigError
+from engine.tp import RankFailure, collective
+from hicache.errors import CapacityError, ConfigError, HiCacheError
 from hicache.hiradix import HiRadixCache
-from hicache.keys import namespace_seed
-from hicache.pools import dtype_name
-from hicache.prefix_cache import NoPrefixCache, PrefixCache
-from hicache.units import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# On CPU the default KV pool is mem_fraction_static of this budget (the host pool comes on top).
-_CPU_KV_BUDGET_BYTES = 256 << 20
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
-
-
-class Engine:
+class Engine(EngineBase):
     """A continuous-batching engine whose KV lives in `HiRadixCache` pools.
 
     Construct with `Engine(EngineArgs(...))`, `Engine(**fields)` or both (keywords override).
+    With `tp_size > 1` this object is rank 0 and starts the other ranks (`engine.tp`).
     """
-
-    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
-        if args is None:
-            args = EngineArgs(**kwargs)
-        elif kwargs:
-            args = replace(args, **kwargs)
-        self.args = args
-        self.model_path = Path(args.model_path) if args.model_path else ensure_demo_model()
-        self.device = resolve_device(args.device)
-        from engine.models.config import ModelConfig
-
-        cfg = ModelConfig.from_dir(self.model_path)
-        self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype, self.device)
-        self.context_length = args.context_length or cfg.max_position_embeddings
-        if cfg.sliding_window and self.context_length > cfg.sliding_window:
-            # Full attention equals sliding-window attention only within the window.
-            logger.warning(
-                "context_length %d exceeds the model's sliding window %d; using %d",
-                self.context_length, cfg.sliding_window, cfg.sliding_window,
-            )
-            self.context_length = cfg.sliding_window
-        self.model = load_model(
-            self.model_path, dtype=self.dtype, device=self.device,
-            context_length=self.context_length,
-        )
-        self.model_config = cfg
-        self.tokenizer = Tokenizer(args.tokenizer_path or self.model_path)
-        self.model_id = args.model_id or model_fingerprint(self.model_path)
-        ps = args.page_size
-        num_pages = self._num_device_pages(cfg)
-        self.runner = ModelRunner(
-            self.model, num_pages=num_pages, page_size=ps, dtype=self.dtype,
-            device=self.device, attention_backend=args.attention_backend,
-            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-            context_length=self.context_length,
-        )
-        self.cache: PrefixCache
-        if not args.disable_radix_cache:
-            hc = args.to_hicache_config()
-            ns = namespace_seed(
-                model_fingerprint=self.model_id, dtype=dtype_name(self.dtype), page_size=ps,
-                layout=hc.mem_layout,
-            )
-            self.cache = HiRadixCache(
-                hc, device_pool=self.runner.pool, namespace=ns,
-                num_host_pages=None if args.enable_hierarchical_cache else 0,
-            )
-        else:
-            self.cache = NoPrefixCache(self.runner.pool.allocator, ps)
-        self.eos_token_ids = self.tokenizer.eos_token_ids(self.model_path) | set(cfg.eos_token_ids)
-        self.scheduler = Scheduler(
-            self.runner, self.cache, page_size=ps,
-            max_running_requests=args.max_running_requests,
-            chunked_prefill_size=args.chunked_prefill_size,
-            schedule_policy=args.schedule_policy, context_length=self.context_length,
-            eos_token_ids=self.eos_token_ids, decode=self._decode,
-            random_seed=args.random_seed, request_log=args.request_log,
-        )
-        self._closed = False
-        self._grammar_compiler: GrammarCompiler | None = None
-        self.max_total_tokens = num_pages * ps
-        logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv=%d tokens cache=%s",
-            self.model_path, self.device, dtype_name(self.dtype), self.max_total_tokens,
-            "off" if args.disable_radix_cache else
-            ("hierarchical" if args.enable_hierarchical_cache else "device"),
-        )
-
-    @property
-    def caching(self) -> bool:
-        """Whether prefixes are cached (False with `disable_radix_cache`)."""
-        return isinstance(self.cache, HiRadixCache)
-
-    def _num_device_pages(self, cfg: Any) -> int:
-        a = self.args
-        ps = a.page_size
-        if a.max_total_tokens is not None:
-            return max(1, a.max_total_tokens // ps)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * a.mem_fraction_static)
-        else:
-            budget = int(_CPU_KV_BUDGET_BYTES * a.mem_fraction_static)
-        tokens = min(budget // per_token, 64 * self.context_length)
-        return max(1, tokens // ps)
-
-    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- step-wise API --------------------------------------------------------------------
 
@@ -205,13 +88,32 @@ class Engine:
         if params.max_new_tokens > room:
             params = replace(params, max_new_tokens=room)
         params.check_vocab(vocab)
-        req = Req(rid=rid or uuid.uuid4().hex, prompt=ids, params=params, extra_key=extra_key)
-        if return_logprob:
-            req.logprobs = ReqLogprobs.make(top_logprobs_num, logprob_start_len, len(ids))
+        rid = rid or uuid.uuid4().hex
+        if rid in self.scheduler.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if params.grammar is not None:  # compiled here: a spec that does not compile fails now
+            self._matchers[rid] = self._grammars().matcher(*params.grammar)
+        logprobs = (top_logprobs_num, logprob_start_len) if return_logprob else None
+        try:
+            self._enqueue(rid, ids, params, extra_key, logprobs, time.time())
+        finally:
+            self._matchers.pop(rid, None)
+        return rid
+
+    @collective
+    def _enqueue(
+        self, rid: str, ids: list[int], params: SamplingParams, extra_key: str | None,
+        logprobs: tuple[int, int] | None, arrival: float,
+    ) -> None:
+        """Queue a request `add_request` checked (on every rank of a TP group)."""
+        req = Req(rid=rid, prompt=ids, params=params, extra_key=extra_key, arrival=arrival)
+        if logprobs is not None:
+            req.logprobs = ReqLogprobs.make(logprobs[0], logprobs[1], len(ids))
         if params.grammar is not None:
-            req.matcher = self._grammars().matcher(*params.grammar)
+            req.matcher = self._matchers.pop(rid, None) or self._grammars().matcher(
+                *params.grammar
+            )
         self.scheduler.add(req)
-        return req.rid
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-output compiler, made on first use (engine.grammar). JSON output is
@@ -226,6 +128,7 @@ class Engine:
             )
         return self._grammar_compiler
 
+    @collective
     def step(self) -> list[dict[str, Any]]:
         """Run one batch; return one update per request with news:
         `{"rid", "new_token_ids", "output_ids", "text", "text_delta", "finished", "meta_info"}`
@@ -233,7 +136,10 @@ class Engine:
         previous update, held back where it may start a stop string; `meta_info` as in
         `generate`)."""
         out = []
-        for req in self.scheduler.step():
+        reqs = self.scheduler.step()
+        if self.args.enable_tp_state_check:
+            self.check_tp_state()
+        for req in reqs:
             new = req.output[req.sent_tokens :]
             req.sent_tokens = len(req.output)
             out.append(
@@ -254,8 +160,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @collective
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
+
+    def check_tp_state(self) -> None:
+        """Raise `hicache.sync.RankDivergence` unless every tensor-parallel rank's scheduler
+        and cache are in the same state (one collective; nothing with one rank)."""
+        if self.sync.solo:
+            return
+        sched = self.scheduler
+        reqs = [*sched.waiting, *sched.running, *([sched.chunked] if sched.chunked else [])]
+        state = repr([(r.rid, r.kv_len, r.output, r.pages) for r in reqs]).encode()
+        h = int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little") >> 2
+        digest = getattr(self.cache, "state_digest", None)
+        self.sync.check("scheduler and cache state",
+                        [h, *(digest() if digest is not None else [])])
 
     @staticmethod
     def _meta(req: Req) -> dict[str, Any]:
@@ -309,11 +229,7 @@ class Engine:
             for (text, ids), sp, ek in zip(items, plist_sp, keys):
                 rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek))
         except Exception:
-            for rid in rids:  # all or nothing: do not leave half a batch queued
-                self.abort(rid)
-                self.scheduler.reqs.pop(rid, None)
-            sched = self.scheduler
-            sched.finished_updates = [r for r in sched.finished_updates if r.rid not in rids]
+            self._forget(rids)  # all or nothing: do not leave half a batch queued
             raise
         results: dict[str, dict[str, Any]] = {}
         while len(results) < n:
@@ -327,6 +243,15 @@ class Engine:
                     }
         return [results[r] for r in rids]
 
+    @collective
+    def _forget(self, rids: list[str]) -> None:
+        """Abort `rids` and drop every trace of them (no abort update will come out)."""
+        for rid in rids:
+            self.abort.__wrapped__(self, rid)
+            self.scheduler.reqs.pop(rid, None)
+        sched = self.scheduler
+        sched.finished_updates = [r for r in sched.finished_updates if r.rid not in rids]
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         assert isinstance(ids, list)
@@ -334,6 +259,7 @@ class Engine:
 
     # ---- cache management -----------------------------------------------------------------
 
+    @collective
     def flush_cache(self) -> bool:
         """Drop every cached page on device and host (L3 keeps its pages). False while requests
         are in flight."""
@@ -342,10 +268,64 @@ class Engine:
         self.cache.reset()
         return True
 
+    @collective
     def wait_transfers(self, timeout: float | None = None) -> None:
         """Wait for background cache transfers (backups to host and L3) to finish."""
         self.cache.flush(timeout)
 
+    @collective
+    def poll_cache(self) -> int:
+        """Apply finished cache transfers now (an idle server does, so write-through reaches
+        L3 without waiting for the next request); returns how many were applied."""
+        return self.cache.poll()
+
+    @collective
+    def attach_storage(self, name: str, extra: dict[str, Any] | None = None) -> None:
+        """Attach (or replace) the L3 backend; call while idle. Under tensor parallelism every
+        rank attaches or none does (a rank that fails makes the others detach again)."""
+        self._storage_admin(lambda c: c.attach_storage(name, extra or {}), undo=True)
+
+    @collective
+    def detach_storage(self) -> None:
+        """Detach the L3 backend (its pages stay in it); call while idle."""
+        self._storage_admin(lambda c: c.detach_storage())
+
+    @collective
+    def clear_storage(self) -> None:
+        """Delete every page of the L3 backend; call while idle."""
+        self._storage_admin(lambda c: c.clear_storage())
+
+    def _storage_admin(self, op: Any, undo: bool = False) -> None:
+        if not isinstance(self.cache, HiRadixCache):
+            raise ConfigError("no prefix cache (disable_radix_cache)")
+        err: BaseException | None = None
+        try:
+            op(self.cache)
+        except (HiCacheError, ValueError, TypeError, OSError) as e:
+            err = e
+        if not self.sync.all_true(err is None)[0]:
+            if err is None and undo:
+                self.cache.detach_storage()
+            raise err if err is not None else ConfigError("failed on another tensor-parallel rank")
+        if err is not None:
+            raise err
+
+    @collective
+    def rank_cache_stats(self) -> list[dict[str, Any]]:
+        """Per tensor-parallel rank (in rank order): its cache counters and its L3 backend's
+        (each rank reads and writes its own pages, or, for MLA, reads the pages rank 0 wrote).
+        One entry with one rank."""
+        self.cache.poll()
+        st = self.cache.storage_stats()
+        mine = {"rank": self.tp_rank, **self.cache.stats.as_dict(),
+                "storage": st.as_dict() if st is not None else None}
+        if self.sync.solo:
+            return [mine]
+        out: list[Any] = [None] * self.args.tp_size
+        torch.distributed.all_gather_object(out, mine, group=self.tp.cpu_group)
+        return out
+
+    @collective
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier hit tokens and transfer counters (`hicache.stats.CacheStats` fields), pool
         usage, the storage backend's counters, and the scheduler's totals."""
@@ -368,12 +348,35 @@ class Engine:
     def shutdown(self) -> None:
         if self._closed:
             return
+        try:
+            self._shutdown()
+        except RankFailure as e:  # a rank is gone: close what this rank holds, no collective
+            logger.error("shutting down without the other ranks: %s", e)
+            self.shutdown_local()
+        finally:
+            self._stop_tp()
+
+    @collective
+    def _shutdown(self) -> None:
         self._closed = True
         for rid in list(self.scheduler.reqs):
             self.scheduler.abort(rid)
         self.cache.close()
         self.scheduler.close()
         logger.info("engine shut down")
+
+    def shutdown_local(self) -> None:
+        """Leave without the other ranks (one of them, or rank 0, is gone): stop this rank's
+        transfer threads and close its backend and the group, with no collective."""
+        self._closed = True
+        controller = getattr(self.cache, "controller", None)
+        if controller is not None:
+            controller.close()
+        storage = getattr(self.cache, "storage", None)
+        if storage is not None:
+            storage.close()
+        self.scheduler.close()
+        self._stop_tp()
 
     def __enter__(self) -> Engine:
         return self

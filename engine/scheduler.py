@@ -32,6 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
 from engine.sampling import Sampler
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
+from hicache.sync import SOLO, RankSync
 from hicache.transfer import merge_wait_layer
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,12 @@ class Scheduler:
         decode: Callable[[list[int], bool], str],
         random_seed: int = 0,
         request_log: str | None = None,
+        sync: RankSync = SOLO,
     ) -> None:
+        """`sync`: the other tensor-parallel ranks, which run this same scheduler on the same
+        calls; the tokens each step samples are checked to be equal on every rank."""
         self.runner = runner
+        self.sync = sync
         self.cache = cache
         self.page_size = page_size
         self.max_running = max_running_requests
@@ -306,7 +311,7 @@ class Scheduler:
                 updated.append(req)
         done = [(i, r) for i, r in done if r.params.max_new_tokens > 0]
         if done:
-            toks = sample_reqs(self.sampler, logits[[i for i, _ in done]], [r for _, r in done])
+            toks = self._sample(logits[[i for i, _ in done]], [r for _, r in done])
             for (_, req), tok in zip(done, toks):
                 self.running.append(req)
                 self._append_token(req, tok)
@@ -369,11 +374,19 @@ class Scheduler:
         self.forward_steps += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        toks = sample_reqs(self.sampler, logits, reqs)
+        toks = self._sample(logits, reqs)
         for req, tok in zip(reqs, toks):
             req.kv_len += 1
             self._append_token(req, tok)
             updated.append(req)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        """One token per request. Every rank samples from the same (all-gathered) logits with
+        the same generators; a rank that drew another token would cache other KV under the
+        same keys, so the ranks check that they agree (one collective; `RankDivergence`)."""
+        toks = sample_reqs(self.sampler, logits, reqs)
+        self.sync.check("sampled tokens", toks)
+        return toks
 
     def _append_token(self, req: Req, tok: int) -> None:
         if req.first_token_time is None:

@@ -218,6 +218,8 @@ class SchedulerProcess:
         try:
             if op == "stats":
                 stats = e.cache_stats()
+                if e.args.tp_size > 1:
+                    stats["ranks"] = e.rank_cache_stats()
                 stats["storage_backend"] = self.backend
                 stats["cost_model"] = self.cost_model()
                 if payload.get("bandwidth"):
@@ -242,19 +244,19 @@ class SchedulerProcess:
                 if not isinstance(extra, dict):
                     return resp(400, "'extra_config' must be a JSON object")
                 backend_extra = {k: v for k, v in extra.items() if k not in CACHE_EXTRA_KEYS}
-                e.cache.attach_storage(name, backend_extra)
+                e.attach_storage(name, backend_extra)
                 self.backend, self.backend_extra = name, backend_extra
                 logger.info("attached storage backend %s", name)
                 return resp(backend=name, extra_config=redact(backend_extra))
             if op == "detach_storage":
-                e.cache.detach_storage()
+                e.detach_storage()
                 old, self.backend, self.backend_extra = self.backend, None, {}
                 logger.info("detached storage backend %s", old)
                 return resp(backend=None, detached=old)
             if op == "clear_storage":
                 if getattr(e.cache, "storage", None) is None:
                     return resp(400, "no storage backend is attached")
-                e.cache.clear_storage()
+                e.clear_storage()
                 logger.info("cleared storage backend %s", self.backend)
                 return resp(backend=self.backend, cleared=True)
         except (ConfigError, HiCacheError, ValueError, TypeError, OSError) as err:
@@ -293,7 +295,7 @@ class SchedulerProcess:
             if not e.has_unfinished():
                 # Idle: apply acks anyway, so that finished device->host copies start their
                 # host->L3 backups now rather than when the next request wakes the scheduler.
-                e.cache.poll()
+                e.poll_cache()
             if e.has_unfinished():
                 steps = e.scheduler.forward_steps
                 updates = e.step()

@@ -1,0 +1,44 @@
+"""L3 faults injected on one tensor-parallel rank: the real `file` backend, whose reads fail on
+the rank named `fault_rank` in its extra config. Loaded by module path
+(`--hicache-storage-backend tests.engine.tp_faults:RankFaultyFileBackend`), so every rank
+process builds it as it builds any backend."""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from hicache.backend import Checked
+from hicache.storage import StorageConfig
+from storage_backends.file_backend import FileBackend
+
+FAULTS = ("raise", "slow")
+
+
+class RankFaultyFileBackend(FileBackend):
+    """`file`, except that on rank `fault_rank` every read fails: `fault: "raise"` is an I/O
+    error (a disk or mount that broke under that rank), `"slow"` waits `slow_s` seconds and
+    then reads nothing (a path to L3 that stalls). `exists` answers truthfully on every rank,
+    so the faulty rank believes the pages are there until it reads them."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        extra = dict(config.extra)
+        self.fault_rank = int(extra.pop("fault_rank", 1))
+        self.fault = str(extra.pop("fault", "raise"))
+        self.slow_s = float(extra.pop("slow_s", 2.0))
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}")
+        super().__init__(replace(config, extra=extra))
+        self.faulty = config.tp_rank == self.fault_rank
+        self.failed_reads = 0
+
+    def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        if not self.faulty:
+            return super()._get_checked(keys, out)
+        self.failed_reads += 1
+        if self.fault == "raise":
+            raise OSError(errno.EIO, "injected L3 read failure")
+        time.sleep(self.slow_s)
+        return [Checked(-1, None)] * len(keys)
