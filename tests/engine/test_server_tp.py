@@ -1,0 +1,85 @@
+"""`hicache-engine --tp-size 2` over HTTP: two tensor-parallel servers on one real
+`hicache-server` (a prefix computed by A is read from L3 by both of B's ranks), outputs equal to
+the TP=1 engine, per-rank stats, and no rank process outliving its scheduler."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.engine import Engine
+from tests.engine.test_server_api import EngineServer, pid_alive, wait_gone
+from tests.engine.test_server_multi import L3_FLAGS, LONG_PROMPT, PAGE
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+
+pytestmark = pytest.mark.slow
+
+TP_FLAGS = ["--tp-size", "2", "--enable-tp-state-check", "--dist-timeout", "60"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def _generate(srv: EngineServer, text: str) -> dict[str, Any]:
+    out: dict[str, Any] = srv.post("/generate", {
+        "text": text, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                          "ignore_eos": True}})
+    return out
+
+
+def test_tp2_servers_share_l3_and_match_tp1(tmp_path: Path) -> None:
+    store = HiCacheServerProc(tmp_path, capacity="256MiB").start()
+    extra = json.dumps({"url": store.url})
+    flags = [*TP_FLAGS, *L3_FLAGS, "--hicache-storage-backend", "hicache",
+             "--hicache-storage-backend-extra-config", extra]
+    a = EngineServer(tmp_path, flags, name="tp-a").start()
+    b = EngineServer(tmp_path, flags, name="tp-b").start()
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        out_a = _generate(a, LONG_PROMPT)
+        prompt_tokens = out_a["meta_info"]["prompt_tokens"]
+        sa = a.wait_transfers()
+        assert [r["rank"] for r in sa["ranks"]] == [0, 1]
+        # Each rank backed up its own shard of every full page, under its own keys.
+        want = (prompt_tokens - 1) // PAGE
+        assert all(r["storage_backup_pages"] >= want for r in sa["ranks"])
+        out_b = _generate(b, LONG_PROMPT)
+        assert out_b["output_ids"] == out_a["output_ids"]
+        sb = b.stats()
+        hit = want * PAGE
+        assert out_b["meta_info"]["cached_tokens"] == hit
+        assert [r["storage_hit_tokens"] for r in sb["ranks"]] == [hit, hit]
+        assert all(r["storage"]["get_hits"] >= want for r in sb["ranks"])
+        assert all(r["corrupt_pages"] == 0 for r in sb["ranks"])
+        # The same tokens as one rank with no cache at all.
+        with Engine(disable_radix_cache=True, max_total_tokens=16384) as ref:
+            expect = ref.generate(input_ids=ref.tokenizer.encode(LONG_PROMPT),
+                                  sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+        assert out_a["output_ids"] == expect[0]["output_ids"]
+        # Killing the scheduler (rank 0) ends its other rank too: no orphan holds the devices.
+        sched = b.get("/get_model_info")["scheduler_pid"]
+        ranks = _children(sched)
+        assert len(ranks) >= 1 and all(pid_alive(p) for p in ranks)
+        os.kill(sched, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(pid_alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not any(pid_alive(p) for p in ranks), "a tp rank outlived its scheduler"
+        assert wait_gone(sched)
+    finally:
+        for e in (a, b):
+            e.proc.kill()
+        store.stop()
+    assert "Traceback" not in a.proc.log()
