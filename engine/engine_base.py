@@ -15,6 +15,7 @@ from engine.args import EngineArgs
 from engine.demo_model import ensure_demo_model
 from engine.distributed import TPGroup, destroy_tp_group, init_tp_group
 from engine.model_runner import ModelRunner
+from engine.models.config import kv_bytes_per_token
 from engine.models.loader import load_model, model_fingerprint
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -25,7 +26,6 @@ from hicache.keys import namespace_seed
 from hicache.pools import dtype_name
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
 from hicache.sync import SOLO, GroupSync, RankSync
-from hicache.units import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarCompiler
@@ -96,7 +96,11 @@ class EngineBase:
         if self.tp_rank == 0:
             init_method = f"tcp://127.0.0.1:{args.nccl_port or free_port()}"
             rank_args = replace(args, model_path=str(self.model_path))
-            self._ranks = RankProcesses(rank_args, init_method, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            if self.device.type == "cpu":  # the ranks share this process's CPU threads
+                threads = max(1, threads // args.tp_size)
+                torch.set_num_threads(threads)
+            self._ranks = RankProcesses(type(self), rank_args, init_method, threads)
         assert init_method is not None
         try:
             self.tp = init_tp_group(self.tp_rank, args.tp_size, init_method=init_method,
@@ -126,12 +130,9 @@ class EngineBase:
                 self.context_length, cfg.sliding_window, cfg.sliding_window,
             )
             self.context_length = cfg.sliding_window
-        import inspect  # TEMPORARY until the sharded loader lands: replicate the model
-
-        kw = {"tp": self.tp} if "tp" in inspect.signature(load_model).parameters else {}
         self.model = load_model(
             self.model_path, dtype=self.dtype, device=self.device,
-            context_length=self.context_length, **kw,
+            context_length=self.context_length, tp=self.tp,
         )
         self.model_config = cfg
         self.tokenizer = Tokenizer(args.tokenizer_path or self.model_path)
@@ -197,7 +198,7 @@ class EngineBase:
         if a.max_total_tokens is not None:
             return max(1, a.max_total_tokens // ps)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
+        per_token = kv_bytes_per_token(cfg, elem, self.args.tp_size)  # one rank's share
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * a.mem_fraction_static)

@@ -64,8 +64,7 @@ class Scheduler:
         request_log: str | None = None,
         sync: RankSync = SOLO,
     ) -> None:
-        """`sync`: the other tensor-parallel ranks, which run this same scheduler on the same
-        calls; the tokens each step samples are checked to be equal on every rank."""
+        """`sync`: the other tensor-parallel ranks (they run this scheduler on the same calls)."""
         self.runner = runner
         self.sync = sync
         self.cache = cache
@@ -381,9 +380,8 @@ class Scheduler:
             updated.append(req)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        """One token per request. Every rank samples from the same (all-gathered) logits with
-        the same generators; a rank that drew another token would cache other KV under the
-        same keys, so the ranks check that they agree (one collective; `RankDivergence`)."""
+        """One token per request; tensor-parallel ranks check that they drew the same ones
+        (another token would cache other KV under the same keys): `RankDivergence`."""
         toks = sample_reqs(self.sampler, logits, reqs)
         self.sync.check("sampled tokens", toks)
         return toks

@@ -51,7 +51,10 @@ def free_port() -> int:
 class RankProcesses:
     """Rank 0's handle on ranks 1..N-1: start them, replay calls on them, stop them."""
 
-    def __init__(self, args: EngineArgs, init_method: str, num_threads: int) -> None:
+    def __init__(
+        self, engine_cls: type, args: EngineArgs, init_method: str, num_threads: int
+    ) -> None:
+        """Start ranks 1..N-1, each building `engine_cls(args)` as its rank."""
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
@@ -59,7 +62,8 @@ class RankProcesses:
         for rank in range(1, args.tp_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=rank_main, args=(rank, args, init_method, child, num_threads),
+                target=rank_main,
+                args=(engine_cls, rank, args, init_method, child, num_threads),
                 name=f"hicache-tp{rank}", daemon=True,
             )
             p.start()
@@ -135,7 +139,8 @@ class RankProcesses:
 
 
 def rank_main(
-    rank: int, args: EngineArgs, init_method: str, conn: Connection, num_threads: int
+    engine_cls: Any, rank: int, args: EngineArgs, init_method: str, conn: Connection,
+    num_threads: int,
 ) -> None:
     """A rank > 0: build the engine, then replay rank 0's calls until told to stop."""
     import torch
@@ -144,10 +149,8 @@ def rank_main(
     logging.basicConfig(level=level,
                         format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
-    from engine.engine import Engine
-
     try:
-        engine = Engine(replace(args), _tp_rank=rank, _tp_init_method=init_method)
+        engine = engine_cls(replace(args), _tp_rank=rank, _tp_init_method=init_method)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         logger.exception("tp rank %d failed to start", rank)
