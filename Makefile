@@ -8,6 +8,18 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= test,redis,mooncake,lmcache
 PYTEST_ARGS ?=
+# SGLang, for the HiCache storage plugin in integrations/sglang and its tests (docs/sglang.md).
+# Installed with --no-deps: its own requirements pull a CUDA torch, flashinfer and kernel wheels.
+# SGLANG_DEPS are the small modules its mem_cache and storage packages import at load time.
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_DEPS ?= orjson==3.13.0 pybase64==1.5.1 ipython==9.18.1 traitlets==5.16.1 dill==0.4.1 \
+  sentencepiece==0.2.1 compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0
+# SGLang's device and host KV pools import its model-config registry, which imports torchvision.
+# PyPI has no CPU torchvision, so the build made for this torch goes into its own directory, off
+# sys.path: only the SGLang tests and benchmark put it there (tests/integrations/sglang_env.py).
+# Set it empty to skip (a GPU machine installs torchvision with its CUDA torch).
+SGLANG_TORCHVISION ?= torchvision==0.28.0
+SGLANG_TV_DIR := $(VENV)/sglang-torchvision
 HOST       ?= 127.0.0.1
 PORT       ?= 30000
 
@@ -16,11 +28,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup sysdeps run test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TORCH_SPEC)
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --no-deps $(SGLANG_SPEC) $(SGLANG_DEPS)
+	if [ -n "$(SGLANG_TORCHVISION)" ]; then \
+	  $(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_TV_DIR) $(SGLANG_TORCHVISION); fi
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -38,7 +53,7 @@ test: setup sysdeps
 	LMCACHE_TRACK_USAGE=false HF_HUB_OFFLINE=1 scripts/in_netns.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check hicache storage_backends engine tools tests benchmarks
+	$(BIN)/ruff check hicache storage_backends engine tools integrations tests benchmarks
 	$(BIN)/mypy
 
 # Benchmarks run in the loopback-only namespace too (Mooncake binds every interface).

@@ -1,0 +1,185 @@
+"""Pages of an SGLang host KV pool as bytes, and the page records made of them.
+
+SGLang's host pool says where a page lives with `get_page_buffer_meta(indices)`: per page, one
+or more (address, size) regions of its host tensors (MHA `page_first`: the K part and the V
+part; `layer_first`: a K and a V region per layer; MLA `page_first`: one region). `HostPages`
+turns those addresses into writable memoryviews of the pool's own tensors, so a page is read
+and written in place, never through a temporary tensor.
+
+One record per page (`hicache.codec.PageCodec`: a 128-byte header, then the payload). The
+payload is the page's regions in address order, which is the byte order of SGLang's flat page
+(`get_data_page(index, flat=True)`) for every layout whose page the pool can flatten: the v0
+tensor API and the v1 zero-copy API write and read the same records.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec
+from hicache.errors import ConfigError
+
+# Host tensors a pool may keep its pages in (others are views of these, or hold no pages).
+_BUFFER_ATTRS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("need a contiguous CPU tensor")
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr).cast("B")
+
+
+class _Buffer:
+    __slots__ = ("base", "nbytes", "view", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t  # keeps the memory alive as long as the view
+        self.view = tensor_bytes(t)
+        self.base = t.data_ptr()
+        self.nbytes = len(self.view)
+
+
+class HostPages:
+    """Byte views of one host pool's pages and the codec of their records (after `bind`).
+
+    Thread-safe: SGLang's prefetch and backup threads use it at once (each thread stages its
+    records in its own buffer).
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        self.buffers = _host_buffers(pool)
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        if not ptrs or any(not isinstance(p, int) for p in ptrs):
+            raise ConfigError(f"{type(pool).__name__}: page regions are not plain addresses")
+        # Regions of a page in address order (the flat page's byte order); the same for every
+        # page, so the permutation is found once.
+        self.order = sorted(range(len(ptrs)), key=lambda i: ptrs[i])
+        self.region_sizes = [int(sizes[i]) for i in self.order]
+        self.payload_bytes = sum(self.region_sizes)
+        for p, n in zip(ptrs, sizes):
+            self._locate(p, n)  # every region must lie in a registered buffer
+        self.dtype = str(pool.dtype).removeprefix("torch.")
+        self.layout = str(pool.layout)
+        page_shape = tuple(int(d) for d in pool.get_data_page(0, flat=False).shape)
+        itemsize = torch.empty((), dtype=pool.dtype).element_size()
+        elems = 1
+        for d in page_shape:
+            elems *= d
+        if self.dtype in DTYPE_CODES and elems * itemsize == self.payload_bytes \
+                and len(page_shape) <= 8:
+            self._format = (page_shape, self.dtype, itemsize)
+        else:  # a dtype records cannot name, or a page that is not one tensor: plain bytes
+            self._format = ((self.payload_bytes,), "uint8", 1)
+        self.geometry = {"pool": type(pool).__name__, "shape": list(page_shape),
+                         "regions": self.region_sizes}
+        self.codec: PageCodec | None = None
+        self.record_bytes = HEADER_BYTES + self.payload_bytes
+        self._local = threading.local()
+
+    def bind(self, namespace: bytes) -> None:
+        """Make the record codec for pages of `namespace` (the seed depends on `geometry`)."""
+        shape, dtype, itemsize = self._format
+        self.codec = PageCodec(
+            namespace=namespace, dtype=dtype, shape=shape,
+            layout=self.layout if self.layout in LAYOUT_CODES else "raw",
+            tokens_per_page=self.page_size, itemsize=itemsize,
+        )
+        assert self.codec.record_bytes == self.record_bytes
+
+    def _codec(self) -> PageCodec:
+        if self.codec is None:
+            raise RuntimeError("HostPages.bind() was not called")
+        return self.codec
+
+    # -- addresses -> views ------------------------------------------------------------------
+
+    def _locate(self, ptr: int, size: int) -> memoryview:
+        for b in self.buffers:
+            off = ptr - b.base
+            if off >= 0 and off + size <= b.nbytes:
+                return b.view[off : off + size]
+        raise ValueError(f"page region at {ptr:#x} (+{size}) is outside the host pool")
+
+    def page_views(self, host_indices: torch.Tensor, n_pages: int) -> list[list[memoryview]]:
+        """Per page, its regions as views of the pool, in payload order. `host_indices` are
+        SGLang's token slots (`n_pages * page_size` of them, each page's run contiguous)."""
+        if host_indices.numel() != n_pages * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host indices for {n_pages} pages of "
+                             f"{self.page_size} tokens")
+        idx = host_indices if host_indices.device.type == "cpu" else host_indices.cpu()
+        ptrs, sizes = self.pool.get_page_buffer_meta(idx)
+        per = len(self.order)
+        if len(ptrs) != n_pages * per:
+            raise ValueError(f"{len(ptrs)} regions for {n_pages} pages of {per}")
+        out = []
+        for i in range(n_pages):
+            base = i * per
+            views = [self._locate(ptrs[base + j], sizes[base + j]) for j in self.order]
+            if [len(v) for v in views] != self.region_sizes:
+                raise ValueError(f"page {i} has regions {[len(v) for v in views]}, "
+                                 f"not {self.region_sizes}")
+            out.append(views)
+        return out
+
+    # -- records -----------------------------------------------------------------------------
+
+    def stage(self, n: int) -> list[memoryview]:
+        """`n` record-sized buffers of this thread's staging area (reused by its next call)."""
+        need = n * self.record_bytes
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._local.buf = bytearray(need)
+        mv = memoryview(buf)
+        rb = self.record_bytes
+        return [mv[i * rb : (i + 1) * rb] for i in range(n)]
+
+    def encode(self, key: str, parts: Sequence[memoryview], out: memoryview) -> None:
+        """The record of page `key` whose payload is `parts` (concatenated) into `out`."""
+        payload = out[HEADER_BYTES:]
+        off = 0
+        for p in parts:
+            payload[off : off + len(p)] = p
+            off += len(p)
+        if off != self.payload_bytes:
+            raise ValueError(f"page payload is {off} bytes, not {self.payload_bytes}")
+        # The payload is in place already: encode_into's copy of it onto itself is a no-op
+        # memmove (measured ~5 us per MiB), cheaper than a second buffer.
+        self._codec().encode_into(key, payload, out)
+
+    def decode(self, key: str, record: memoryview) -> memoryview:
+        """The payload of a record `StorageBackend.batch_get` has checked (checksum, key,
+        namespace); raises `StorageCorrupt` when it is a page of another format."""
+        return self._codec().decode(record, key, checksum=False)
+
+    def scatter(self, payload: memoryview, parts: Sequence[memoryview]) -> None:
+        """Copy a page payload into its regions."""
+        off = 0
+        for p in parts:
+            p[:] = payload[off : off + len(p)]
+            off += len(p)
+
+
+def _host_buffers(pool: Any) -> list[_Buffer]:
+    out: list[_Buffer] = []
+    seen: set[tuple[int, int]] = set()
+    for name in _BUFFER_ATTRS:
+        t = getattr(pool, name, None)
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key in seen or key[1] == 0:
+            continue
+        seen.add(key)
+        out.append(_Buffer(t))
+    if not out:
+        raise ConfigError(f"{type(pool).__name__} has no contiguous CPU KV buffer")
+    return out
+

@@ -1,0 +1,317 @@
+"""`HiCacheServerStorage`: SGLang's `HiCacheStorage` over our `hicache-server`.
+
+SGLang builds it with `--hicache-storage-backend dynamic` (its `StorageBackendFactory` calls
+`HiCacheServerStorage(storage_config, kwargs)`), then hands it the host KV pool
+(`register_mem_pool_host`). From then on its prefetch thread calls `batch_exists` and a get,
+its backup thread a set: the zero-copy v1 pair (`batch_get_v1` / `batch_set_v1`, host slot
+indices) when the extra config says `"interface_v1": 1`, else the v0 tensor calls (`batch_get`
+/ `batch_set` of flat page tensors). Both paths store one checksummed page record per page.
+
+Never an exception into SGLang's threads: a call that cannot work (server away, token refused,
+a corrupt or foreign record, bad indices) answers a miss (`False`, `0`, `None`), and the failure
+is counted (`stats()`) and logged once per kind. Misconfiguration is an error at start-up
+instead: an unknown extra-config key, no model name, a server that refuses the token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from hicache.backend import StorageConfig
+from hicache.errors import ConfigError, StorageCorrupt
+from integrations.sglang.pages import HostPages, tensor_bytes
+from integrations.sglang.settings import (
+    namespace_for,
+    parse_settings,
+    rank_view,
+    storage_key,
+)
+from storage_backends.hicache_backend import HiCacheServerBackend
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+KV_POOL_NAMES = ("kv", "draft")  # host pools whose pages are the KV (v2 registration names)
+
+
+class HiCacheServerStorage(HiCacheStorage):
+    """Pages of SGLang's host KV pool in a shared `hicache-server`, one record per page."""
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        self.settings = parse_settings(getattr(storage_config, "extra_config", None))
+        self.ranks = rank_view(storage_config)
+        if self.ranks.split_heads:
+            raise ConfigError("hicache SGLang plugin: heterogeneous TP (tp_lcm_size, split "
+                              "heads) is not supported")
+        self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self.registered_pools: dict[Any, Any] = {}
+        self.pages: HostPages | None = None
+        self.backend: HiCacheServerBackend | None = None
+        self.namespace = b""
+        self._stage_pages = 1
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._counts = {"plugin_errors": 0, "skipped_sets": 0}
+        self._metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        if not self.settings.interface_v1:
+            logger.info("hicache SGLang plugin: no \"interface_v1\": 1 in the extra config; "
+                        "SGLang will use the v0 tensor calls (a copy per page more)")
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Map the host pool's pages, derive the namespace, connect to the server. Raises at
+        start-up on what cannot work (a pool without plain page regions, a refused token)."""
+        super().register_mem_pool_host(mem_pool_host)
+        pages = HostPages(mem_pool_host)
+        ns = namespace_for(self.settings, self.ranks, dtype=pages.dtype,
+                           page_size=pages.page_size, layout=pages.layout,
+                           page_geometry=pages.geometry)
+        pages.bind(ns)
+        backend = HiCacheServerBackend(StorageConfig(
+            extra=self.settings.client, namespace=ns.hex(), record_bytes=pages.record_bytes,
+            tp_rank=self.ranks.tp_rank, tp_size=self.ranks.tp_size))
+        old, self.backend = self.backend, backend
+        if old is not None:
+            old.close()
+        self.pages, self.namespace = pages, ns
+        self._stage_pages = max(1, self.settings.stage_bytes // pages.record_bytes)
+        logger.info("hicache SGLang plugin: %s, %s pages of %d bytes (%s), namespace %s, %s",
+                    backend.url, pages.layout, pages.payload_bytes, pages.dtype, ns.hex()[:16],
+                    "MLA, " + ("writer" if self.ranks.is_writer else "reader")
+                    if self.ranks.is_mla else f"tp {self.ranks.tp_rank}/{self.ranks.tp_size}")
+
+    def on_host_pools_registered(self) -> None:
+        extra = sorted(str(n) for n in self.registered_pools if str(n) not in KV_POOL_NAMES)
+        if extra:
+            raise ConfigError(f"hicache SGLang plugin stores KV pages only; this model also has "
+                              f"host pools {extra} (SGLang's v2 interface), not supported")
+
+    def close(self) -> None:
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _ready(self) -> tuple[HostPages, HiCacheServerBackend]:
+        if self.pages is None or self.backend is None:
+            raise RuntimeError("no host pool registered (register_mem_pool_host)")
+        return self.pages, self.backend
+
+    def _guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - SGLang's threads must never see it
+            with self._lock:
+                self._counts["plugin_errors"] += 1
+                first = op not in self._warned
+                self._warned.add(op)
+            if first:
+                logger.error("hicache SGLang plugin: %s failed (answered as a miss): %s", op, e,
+                             exc_info=not isinstance(e, ValueError | RuntimeError))
+            else:
+                logger.debug("hicache SGLang plugin: %s failed: %s", op, e)
+            return default
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [storage_key(self.namespace, k) for k in keys]
+
+    def _note(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        if not self.enable_metrics or pages <= 0:
+            return
+        with self._lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(nbytes / (1 << 30) / max(seconds, 1e-9))
+
+    def _read(self, keys: Sequence[str], land: Callable[[int, memoryview], None]) -> list[bool]:
+        """Read the records of `keys` part by part into this thread's staging buffers; hand
+        each valid payload to `land(i, payload)`. Stops after the part with the first miss:
+        SGLang uses only the leading run of hits."""
+        pages, backend = self._ready()
+        t0 = time.perf_counter()
+        skeys = self._keys(keys)
+        ok = [False] * len(keys)
+        for start in range(0, len(keys), self._stage_pages):
+            part = range(start, min(len(keys), start + self._stage_pages))
+            outs = pages.stage(len(part))
+            got = backend.batch_get([skeys[i] for i in part], outs)
+            wrong: list[str] = []
+            for i, hit, rec in zip(part, got, outs):
+                if not hit:
+                    continue
+                try:
+                    payload = pages.decode(skeys[i], rec)
+                except StorageCorrupt as e:  # checked, but a page of another format
+                    logger.warning("hicache SGLang plugin: dropping page %s: %s", keys[i][:16], e)
+                    wrong.append(skeys[i])
+                    continue
+                land(i, payload)
+                ok[i] = True
+            if wrong:
+                backend.report_corrupt(wrong)
+            if not all(ok[i] for i in part):
+                break
+        hits = sum(ok)
+        self._note("prefetch", hits, hits * pages.payload_bytes, time.perf_counter() - t0)
+        return ok
+
+    def _write(self, keys: Sequence[str], fill: Callable[[int, str, memoryview], None]
+               ) -> list[bool]:
+        """Build each page's record with `fill(i, storage_key, out)` in staging buffers and
+        store them part by part. A rank that is not the writer (MLA, rank > 0) answers True
+        without writing: the writer stores the same pages."""
+        if not self.ranks.is_writer:
+            with self._lock:
+                self._counts["skipped_sets"] += len(keys)
+            return [True] * len(keys)
+        pages, backend = self._ready()
+        t0 = time.perf_counter()
+        skeys = self._keys(keys)
+        ok: list[bool] = []
+        for start in range(0, len(keys), self._stage_pages):
+            part = range(start, min(len(keys), start + self._stage_pages))
+            outs = pages.stage(len(part))
+            for i, out in zip(part, outs):
+                fill(i, skeys[i], out)
+            ok += backend.batch_set([skeys[i] for i in part], outs)
+        stored = sum(ok)
+        self._note("backup", stored, stored * pages.payload_bytes, time.perf_counter() - t0)
+        return ok
+
+    # -- v1: zero copy over the registered host pool -----------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Read pages straight into their host slots (`host_indices`: page_size slots per
+        key). Per key, whether the slot now holds the page."""
+        if not keys:
+            return []
+
+        def run() -> list[bool]:
+            pages, _ = self._ready()
+            views = pages.page_views(host_indices, len(keys))
+            return self._read(keys, lambda i, payload: pages.scatter(payload, views[i]))
+
+        return self._guard("batch_get_v1", [False] * len(keys), run)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the pages in host slots `host_indices`. Per key, whether it is stored."""
+        if not keys:
+            return []
+
+        def run() -> list[bool]:
+            pages, _ = self._ready()
+            views = pages.page_views(host_indices, len(keys))
+            return self._write(keys, lambda i, k, out: pages.encode(k, views[i], out))
+
+        return self._guard("batch_set_v1", [False] * len(keys), run)
+
+    # -- v0: flat page tensors ---------------------------------------------------------------
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Fill each target (a flat page tensor, SGLang's `get_dummy_flat_data_page()`; a new
+        tensor when None) with its page. Per key, the tensor, or None on a miss."""
+        n = len(keys)
+        targets: list[Any] = [None] * n if target_locations is None else list(target_locations)
+
+        def run() -> list[torch.Tensor | None]:
+            pages, _ = self._ready()
+            if len(targets) != n:
+                raise ValueError(f"{len(targets)} target tensors for {n} keys")
+            for i, t in enumerate(targets):
+                if t is None:
+                    targets[i] = torch.empty(pages.payload_bytes, dtype=torch.uint8).view(
+                        self.mem_pool_host.dtype)
+            views = [tensor_bytes(t) for t in targets]
+            if any(len(v) != pages.payload_bytes for v in views):
+                raise ValueError(f"a target is not one page ({pages.payload_bytes} bytes)")
+            hit = self._read(keys, lambda i, payload: pages.scatter(payload, [views[i]]))
+            return [t if h else None for t, h in zip(targets, hit)]
+
+        return self._guard("batch_get", [None] * n, run)
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat page tensors (`get_data_page(index)`). True when every page is stored."""
+        if not keys:
+            return True
+
+        def run() -> bool:
+            pages, _ = self._ready()
+            if values is None or len(values) != len(keys):
+                raise ValueError("batch_set needs one page tensor per key")
+            data = [tensor_bytes(v.contiguous()) for v in values]
+            return all(self._write(keys, lambda i, k, out: pages.encode(k, [data[i]], out)))
+
+        return self._guard("batch_set", False, run)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -- presence, administration, counters --------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many keys, from the first, the server holds."""
+        if not keys:
+            return 0
+        return self._guard("batch_exists", 0,
+                           lambda: self._ready()[1].batch_exists(self._keys(keys)))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def clear(self) -> bool:
+        """Empty the whole server (every namespace, like SGLang's file and mooncake backends
+        empty theirs). Only the writer rank clears; True when done."""
+        if not self.ranks.is_writer:
+            return True
+
+        def run() -> bool:
+            self._ready()[1].clear()
+            return True
+
+        return self._guard("clear", False, run)
+
+    def stats(self) -> dict[str, int]:
+        """This rank's counters: the client's (`BackendStats`: pages asked and hit, bytes,
+        `errors`, `corrupt_pages`...) plus `plugin_errors` (calls answered as a miss for a
+        reason of the plugin's: bad indices, no pool registered) and `skipped_sets` (pages a
+        non-writer rank was asked to store)."""
+        out = self.backend.stats().as_dict() if self.backend is not None else {}
+        with self._lock:
+            out.update(self._counts)
+        return out
+
+    def get_stats(self) -> Any:
+        """SGLang's storage metrics (pages and GB/s per prefetch and backup batch) since the
+        last call, as its `StorageMetrics` (None when metrics are off)."""
+        if not self.enable_metrics:
+            return None
+        with self._lock:
+            snap = {k: list(v) for k, v in self._metrics.items()}
+            for v in self._metrics.values():
+                v.clear()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:  # releases before 0.5.15
+            from sglang.srt.metrics.collector import StorageMetrics
+        m = StorageMetrics()
+        for k, v in snap.items():
+            getattr(m, k).extend(v)
+        return m

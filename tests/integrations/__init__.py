@@ -1,0 +1,1 @@
+"""Tests of the plugins in integrations/ against the real engines they plug into."""
