@@ -6,11 +6,16 @@
   decode_bsN     ms per decode step of N requests (greedy, argmax fed back as the engine does)
                  vs transformers `generate` run one request at a time (ms per token); the ratio
                  is tokens/s ours over tokens/s theirs
+  engine_tpN     with --tp-size N: the whole `Engine` (scheduler, HiCache with a host tier,
+                 sampling) on the same checkpoint at tp_size 1 and N in one run: a cold round
+                 of prompts sharing a system prompt, then a warm round continuing them (device
+                 hits); tokens/s of each, the ratio TP=N / TP=1, whether the greedy outputs are
+                 equal, and the cache-agreement collectives per forward step
 
 Writes benchmarks/results/bench_engine[_quick].json. Compare ratios, not absolute times.
 
     python benchmarks/bench_engine.py [--quick] [--device cpu|cuda] [--dtype float32]
-        [--hidden 256] [--layers 4] [--attention-backend auto]
+        [--hidden 256] [--layers 4] [--attention-backend auto] [--tp-size 2]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_multiturn import make_weights  # noqa: E402
+from bench_multiturn import make_checkpoint, make_weights  # noqa: E402
 
 
 def timed(
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="cpu: this process's CPU time (CPU device, robust on a shared machine; "
                    "meaningful with --threads 1)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="also measure the whole engine at this tensor-parallel size next to "
+                   "tp_size 1 (engine_tpN rows; on CUDA one device per rank)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -179,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode bs={bs:3d}  ours {ours_ms:8.2f} ms/step  transformers {hf_ms:8.2f} "
               f"ms/token (one request at a time)  tokens/s ratio {ratio:.2f}x", flush=True)
 
+    if a.tp_size > 1:
+        results.update(engine_tp_rows(a, device, dtype))
+
     report = {
         "benchmark": "bench_engine",
         "args": vars(a),
@@ -196,6 +207,64 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def engine_tp_rows(a: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:
+    """`Engine` at tp_size 1 and `a.tp_size` on one checkpoint: a cold round, then a warm one."""
+    import torch
+
+    from engine.engine import Engine
+
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(10, a.vocab, (a.batch_prompt_tokens,), generator=g).tolist()
+    users = [torch.randint(10, a.vocab, (32,), generator=g).tolist()
+             for _ in range(a.batch_prompts)]
+    params = {"max_new_tokens": a.decode_steps, "ignore_eos": True}
+    rows: dict[str, Any] = {}
+    outputs: dict[int, list[Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
+        for tp in (1, a.tp_size):
+            with Engine(model_path=str(path), tp_size=tp, page_size=a.page_size,
+                        device=str(device), dtype=str(dtype).removeprefix("torch."),
+                        max_total_tokens=16 * a.batch_prompts * (a.batch_prompt_tokens + 64),
+                        enable_hierarchical_cache=True, random_seed=0) as e:
+                e.generate(input_ids=[system[:16]], sampling_params={"max_new_tokens": 2})
+                row: dict[str, Any] = {"tp_size": tp}
+                outs = []
+                cold = [system + u for u in users]
+                for name, prompts in (("cold", cold), ("warm", None)):
+                    if prompts is None:
+                        prompts = [p + o + [11, 12, 13] for p, o in zip(cold, outs)]
+                    steps0 = e.scheduler.forward_steps
+                    coll0 = getattr(e.sync, "collectives", 0)
+                    t0 = time.perf_counter()
+                    res = e.generate(input_ids=prompts, sampling_params=params)
+                    dt = time.perf_counter() - t0
+                    steps = e.scheduler.forward_steps - steps0
+                    outs = [r["output_ids"] for r in res]
+                    outputs.setdefault(tp, []).append(outs)
+                    tokens = sum(len(p) for p in prompts) + sum(len(o) for o in outs)
+                    cached = sum(r["meta_info"]["cached_tokens"] for r in res)
+                    row[name] = {
+                        "seconds": dt, "tokens": tokens, "tok_s": tokens / dt,
+                        "cached_tokens": cached, "forward_steps": steps,
+                        "agreement_collectives_per_step":
+                            (getattr(e.sync, "collectives", 0) - coll0) / max(1, steps),
+                    }
+                rows[f"engine_tp{tp}"] = row
+                print(f"engine tp={tp}  cold {row['cold']['tok_s']:8.0f} tok/s  warm "
+                      f"{row['warm']['tok_s']:8.0f} tok/s (cached {row['warm']['cached_tokens']}"
+                      f")  collectives/step {row['warm']['agreement_collectives_per_step']:.1f}",
+                      flush=True)
+    n = f"engine_tp{a.tp_size}"
+    rows[n]["outputs_equal_tp1"] = outputs[a.tp_size] == outputs[1]
+    for name in ("cold", "warm"):
+        rows[n][f"{name}_ratio_vs_tp1"] = rows[n][name]["tok_s"] / rows["engine_tp1"][name]["tok_s"]
+    print(f"engine tp={a.tp_size} / tp=1: cold {rows[n]['cold_ratio_vs_tp1']:.2f}x, warm "
+          f"{rows[n]['warm_ratio_vs_tp1']:.2f}x, greedy outputs equal: "
+          f"{rows[n]['outputs_equal_tp1']}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
