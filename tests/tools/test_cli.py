@@ -116,6 +116,12 @@ def test_kv_bytes_from_model(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert kv_bytes_from_model(str(tmp_path)) == 2 * 28 * 8 * 128 * 2
     assert kv_bytes_from_model(str(tmp_path), "float8_e4m3fn") == 2 * 28 * 8 * 128
+    # MLA (DeepSeek-V3's shape): one 512 + 64 latent per token and layer, whatever the heads.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}))
+    assert kv_bytes_from_model(str(tmp_path)) == 61 * (512 + 64) * 2
 
 
 def test_json_keys_and_values(small: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,7 +55,9 @@ _DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "fp8": 1, "int8": 1}
 
 
 def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
-    """2 * layers * kv_heads * head_dim * dtype bytes, from a HF checkpoint's config.json."""
+    """KV bytes per token from a HF checkpoint's config.json: 2 * layers * kv_heads * head_dim
+    * dtype bytes, or for MLA checkpoints (DeepSeek-V2/V3: `kv_lora_rank` set) one latent per
+    layer, layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes."""
     cfg_path = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -77,4 +79,7 @@ def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
     dtype = kv_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"unknown KV dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    if cfg.get("kv_lora_rank"):  # MLA: one latent [kv_c | k_pe] per token and layer
+        latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        return float(units.kv_bytes_per_token(layers, 1, latent, _DTYPE_BYTES[dtype], mla=True))
     return float(units.kv_bytes_per_token(layers, kv_heads, head_dim, _DTYPE_BYTES[dtype]))
