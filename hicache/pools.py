@@ -75,10 +75,13 @@ class PageAllocator:
 
 
 class DeviceKVPool:
-    """Per-layer K and V of shape `[num_pages * page_size, kv_heads, head_dim]` on `device`.
+    """Per-layer K and V of shape `[num_pages * page_size, kv_heads, head_dim]` on `device`, or
+    with `mla=True` one latent per token and layer (DeepSeek's multi-head latent attention:
+    `kv_heads` 1, `head_dim` the latent's width, e.g. kv_lora_rank + qk_rope_head_dim).
 
-    All layers live in one tensor `kv` of shape `[2, layers, slots, kv_heads, head_dim]`;
-    `k_buffer[l]` / `v_buffer[l]` are views into it.
+    All layers live in one tensor `kv` of shape `[planes, layers, slots, kv_heads, head_dim]`
+    (`planes`: 2 = K and V, 1 = the latent); `k_buffer[l]` / `v_buffer[l]` are views into it.
+    With `mla` both name the latent (V is a prefix of it, which the attention backend reads).
     """
 
     def __init__(
@@ -91,9 +94,12 @@ class DeviceKVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        mla: bool = False,
     ) -> None:
         if min(num_pages, page_size, num_layers, kv_heads, head_dim) < 1:
             raise ConfigError("device pool dimensions must all be >= 1")
+        if mla and kv_heads != 1:
+            raise ConfigError(f"an MLA pool holds one latent per token, not {kv_heads} heads")
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -101,19 +107,23 @@ class DeviceKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.mla = mla
+        self.planes = 1 if mla else 2
         self.num_slots = num_pages * page_size
         self.kv = torch.zeros(
-            (2, num_layers, self.num_slots, kv_heads, head_dim), dtype=dtype, device=self.device
+            (self.planes, num_layers, self.num_slots, kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
         )
         self.k_buffer = [self.kv[0, i] for i in range(num_layers)]
-        self.v_buffer = [self.kv[1, i] for i in range(num_layers)]
+        self.v_buffer = [self.kv[self.planes - 1, i] for i in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
         self._offsets = torch.arange(page_size, device=self.device)
 
     @property
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(
-            self.num_layers, self.kv_heads, self.head_dim, self.kv.element_size()
+            self.num_layers, self.kv_heads, self.head_dim, self.kv.element_size(), mla=self.mla
         )
 
     def slots(self, pages: Sequence[int], n_tokens: int | None = None) -> torch.Tensor:
@@ -122,24 +132,33 @@ class DeviceKVPool:
         s = (p[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
         return s if n_tokens is None else s[:n_tokens]
 
-    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
+    ) -> None:
+        """Write K and V (`[n, kv_heads, head_dim]` each) into `slots`; with `mla`, the latent
+        `k` only (`v` must be None)."""
+        if (v is None) != self.mla:
+            raise ValueError("an MLA pool takes the latent alone; a K/V pool takes K and V")
         self.k_buffer[layer][slots] = k.to(self.dtype)
-        self.v_buffer[layer][slots] = v.to(self.dtype)
+        if v is not None:
+            self.v_buffer[layer][slots] = v.to(self.dtype)
 
     def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (with `mla`: the latent, twice)."""
         return self.k_buffer[layer][slots], self.v_buffer[layer][slots]
 
     def page_tensor(self, pages: Sequence[int]) -> torch.Tensor:
-        """K/V of `pages` as `[2, layers, len(pages) * page_size, heads, dim]` (a copy)."""
+        """KV of `pages` as `[planes, layers, len(pages) * page_size, heads, dim]` (a copy)."""
         return self.kv[:, :, self.slots(pages)]
 
 
 class HostKVPool:
-    """Host-memory copy of KV pages in one of three layouts.
+    """Host-memory copy of KV pages in one of three layouts (`P`: 2 planes, K and V; 1 with
+    `mla`, the latent, whose `heads` is 1):
 
-    - `layer_first`:       `[2, layers, slots, heads, dim]` (mirrors the device pool)
-    - `page_first`:        `[slots, 2, layers, heads, dim]` (a page's tokens are contiguous)
-    - `page_first_direct`: `[pages, 2, layers, page_size, heads, dim]` (a page is one block)
+    - `layer_first`:       `[P, layers, slots, heads, dim]` (mirrors the device pool)
+    - `page_first`:        `[slots, P, layers, heads, dim]` (a page's tokens are contiguous)
+    - `page_first_direct`: `[pages, P, layers, page_size, heads, dim]` (a page is one block)
 
     A page's *payload* (what goes to L3) is its bytes in the layout's natural page order; it is
     zero-copy for the `page_first*` layouts and a gathered copy for `layer_first`. Device <->
@@ -158,11 +177,16 @@ class HostKVPool:
         layout: str = "layer_first",
         io_backend: str = "direct",
         pin_memory: bool = False,
+        mla: bool = False,
     ) -> None:
         if layout not in MEM_LAYOUTS:
             raise ConfigError(f"unknown host layout {layout!r}; known: {', '.join(MEM_LAYOUTS)}")
         if num_pages < 1:
             raise CapacityError("host pool needs at least one page")
+        if mla and kv_heads != 1:
+            raise ConfigError(f"an MLA pool holds one latent per token, not {kv_heads} heads")
+        self.mla = mla
+        self.planes = 1 if mla else 2
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -172,16 +196,16 @@ class HostKVPool:
         self.layout = layout
         self.io_backend = io_backend
         slots = num_pages * page_size
-        L, H, D, ps = num_layers, kv_heads, head_dim, page_size
+        P, L, H, D, ps = self.planes, num_layers, kv_heads, head_dim, page_size
         if layout == "layer_first":
-            shape: tuple[int, ...] = (2, L, slots, H, D)
-            self.page_shape: tuple[int, ...] = (2, L, ps, H, D)
+            shape: tuple[int, ...] = (P, L, slots, H, D)
+            self.page_shape: tuple[int, ...] = (P, L, ps, H, D)
         elif layout == "page_first":
-            shape = (slots, 2, L, H, D)
-            self.page_shape = (ps, 2, L, H, D)
+            shape = (slots, P, L, H, D)
+            self.page_shape = (ps, P, L, H, D)
         else:
-            shape = (num_pages, 2, L, ps, H, D)
-            self.page_shape = (2, L, ps, H, D)
+            shape = (num_pages, P, L, ps, H, D)
+            self.page_shape = (P, L, ps, H, D)
         pin = pin_memory and torch.cuda.is_available()
         self.buffer = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.allocator = PageAllocator(num_pages)
@@ -189,7 +213,7 @@ class HostKVPool:
         self._offsets = torch.arange(page_size)
         # The buffer with the page axis first: `[pages, *page_shape]` (a view).
         if layout == "layer_first":
-            self.page_major = self.buffer.view(2, L, num_pages, ps, H, D).permute(2, 0, 1, 3, 4, 5)
+            self.page_major = self.buffer.view(P, L, num_pages, ps, H, D).permute(2, 0, 1, 3, 4, 5)
         else:
             self.page_major = self.buffer.view(num_pages, *self.page_shape)
 
@@ -211,6 +235,7 @@ class HostKVPool:
             layout=layout,
             io_backend=io_backend,
             pin_memory=device_pool.device.type == "cuda",
+            mla=device_pool.mla,
         )
 
     @property

@@ -137,26 +137,29 @@ class PageMover:
         if self.io_backend not in ("direct", "kernel"):
             raise ValueError(f"unknown io_backend {self.io_backend!r}")
         self.cuda = device.device.type == "cuda"
+        if device.mla != host.mla:
+            raise ValueError("device and host pools differ in kind (MLA latent vs K/V)")
         L, ps, H, D = device.num_layers, device.page_size, device.kv_heads, device.head_dim
         self.num_layers = L
+        self.planes = K = device.planes  # 2 (K and V) or 1 (the MLA latent)
         P = device.num_pages
         # The device pool and the host pool seen page by page in the host layout's order; the
         # page axis is `self.axis` in both. Elements move as same-width integers: bit-exact for
         # every dtype, and index kernels exist for all of them (not for fp8).
         self.bits = _INT_OF_SIZE[device.kv.element_size()]
         kv, hb = device.kv.view(self.bits), host.buffer.view(self.bits)
-        dv = kv.view(2, L, P, ps, H, D)
+        dv = kv.view(K, L, P, ps, H, D)
         if host.layout == "layer_first":
             self.axis = 2
-            self.dev_view = kv.view(2, L, P, ps * H * D)
-            self.host_view = hb.view(2, L, host.num_pages, ps * H * D)
+            self.dev_view = kv.view(K, L, P, ps * H * D)
+            self.host_view = hb.view(K, L, host.num_pages, ps * H * D)
         elif host.layout == "page_first":
             self.axis = 0
-            self.dev_view = dv.permute(2, 3, 0, 1, 4, 5)  # [P, ps, 2, L, H, D]
-            self.host_view = hb.view(host.num_pages, ps, 2, L, H, D)
+            self.dev_view = dv.permute(2, 3, 0, 1, 4, 5)  # [P, ps, K, L, H, D]
+            self.host_view = hb.view(host.num_pages, ps, K, L, H, D)
         else:
             self.axis = 0
-            self.dev_view = dv.permute(2, 0, 1, 3, 4, 5)  # [P, 2, L, ps, H, D]
+            self.dev_view = dv.permute(2, 0, 1, 3, 4, 5)  # [P, K, L, ps, H, D]
             self.host_view = hb
         # The layer axis in those views (for layer-wise loads).
         self.layer_axis = {"layer_first": 1, "page_first": 3, "page_first_direct": 2}[host.layout]
@@ -214,7 +217,7 @@ class PageMover:
                 pairs = [(h, s)]
             else:
                 layers = range(self.num_layers) if layer is None else (layer,)
-                pairs = [(h[kv, lyr], s[kv, lyr]) for kv in (0, 1) for lyr in layers]
+                pairs = [(h[kv, lyr], s[kv, lyr]) for kv in range(self.planes) for lyr in layers]
             for hh, ss in pairs:
                 if to_host:
                     hh.copy_(ss, non_blocking=True)

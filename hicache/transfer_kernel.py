@@ -10,7 +10,8 @@ check it bit for bit without a GPU.
 Every layout is described by three strides (elements) of the same unit, a *row* of
 `kv_heads * head_dim` contiguous elements: `page` (next page), `chunk` (next K/V-and-layer,
 `kv * layers + layer`) and `token` (next token of the page). Each program copies one
-(page, K/V, layer) block of `page_size` rows. Elements move as same-width integers, so every
+(page, K/V, layer) block of `page_size` rows. An MLA pool has one plane (the latent) where a
+K/V pool has two; the strides say so and the grid has one chunk per layer. Elements move as same-width integers, so every
 dtype (bf16, fp8) is copied bit-exactly.
 """
 
@@ -103,15 +104,15 @@ if HAVE_TRITON:
 
 def strides(pool: DeviceKVPool | HostKVPool) -> tuple[int, int, int]:
     """(page, chunk, token) strides in rows' elements of `pool`'s layout."""
-    L, ps = pool.num_layers, pool.page_size
+    L, ps, K = pool.num_layers, pool.page_size, pool.planes
     row = pool.kv_heads * pool.head_dim
     slots = pool.num_pages * ps
     layout = "layer_first" if isinstance(pool, DeviceKVPool) else pool.layout
     if layout == "layer_first":
         return ps * row, slots * row, row
     if layout == "page_first":
-        return ps * 2 * L * row, row, 2 * L * row
-    return 2 * L * ps * row, ps * row, row  # page_first_direct
+        return ps * K * L * row, row, K * L * row
+    return K * L * ps * row, ps * row, row  # page_first_direct
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +134,8 @@ def copy_pages(
     if n == 0:
         return
     L = device.num_layers
+    if device.planes != host.planes:
+        raise ValueError("device and host pools differ in kind (MLA latent vs K/V)")
     lo, count = layers if layers is not None else (0, L)
     row = device.kv_heads * device.head_dim
     dev_s, host_s = strides(device), strides(host)
@@ -144,7 +147,7 @@ def copy_pages(
     ps = device.page_size
     block_r = min(triton.next_power_of_2(row), 1024)
     block_t = max(1, min(triton.next_power_of_2(ps), 4096 // block_r))
-    grid = (n, 2 * count)
+    grid = (n, device.planes * count)
     args: list[Any] = [src, dst, sp, dp, lo, count, L, *ss, *ds]
     with _LAUNCH_LOCK:
         _copy_pages_kernel[grid](*args, PS=ps, ROW=row, BLOCK_T=block_t, BLOCK_R=block_r)

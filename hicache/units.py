@@ -88,7 +88,10 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
     return int(size.value)
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of KV one token takes: K and V, per layer, per KV head, `head_dim` elements of
-    `itemsize` bytes (MHA/GQA layouts)."""
-    return 2 * num_layers * kv_heads * head_dim * itemsize
+def kv_bytes_per_token(
+    num_layers: int, kv_heads: int, head_dim: int, itemsize: int, *, mla: bool = False
+) -> int:
+    """Bytes of KV one token takes: K and V (MHA/GQA), or one latent (`mla`: DeepSeek's
+    multi-head latent attention, `kv_heads` 1 and `head_dim` the latent's width), per layer,
+    per KV head, `head_dim` elements of `itemsize` bytes."""
+    return (1 if mla else 2) * num_layers * kv_heads * head_dim * itemsize
