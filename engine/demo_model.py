@@ -4,6 +4,9 @@ Weights are random but seeded and the byte-level BPE tokenizer is trained in-pro
 `engine/demo_data/corpus.txt`, so every build writes the same files. The directory is a normal
 Hugging Face checkpoint (config.json, model.safetensors, tokenizer.json, tokenizer_config.json
 with a chat template): `transformers` loads it as it loads any Llama.
+
+`variant="mla"` is a DeepSeek-V3-shaped sibling (multi-head latent attention, YaRN, two MoE
+layers after two dense ones; same tokenizer), in its own directory, for the MLA pool path.
 """
 
 from __future__ import annotations
@@ -42,14 +45,49 @@ DEMO_ARCH: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
 }
+# DeepSeek-V3-shaped, tiny: 4 layers (2 dense, 2 MoE of 8 experts, top-2 in 1 of 2 groups),
+# hidden 256, 4 heads, q LoRA 128, latent 128 + 16 rope dims, YaRN.
+DEMO_MLA_ARCH: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rope_interleave": True,
+    "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 1024, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+}
+VARIANTS = ("llama", "mla")
 _MARKER = ".complete"
 
 
-def default_dir() -> Path:
-    env = os.environ.get("HICACHE_DEMO_MODEL_DIR")
+def default_dir(variant: str = "llama") -> Path:
+    """`$HICACHE_DEMO_MODEL_DIR` (llama) / `$HICACHE_DEMO_MLA_MODEL_DIR` (mla), else a versioned
+    directory under `~/.cache/hicache`."""
+    env = os.environ.get("HICACHE_DEMO_MLA_MODEL_DIR" if variant == "mla" else
+                         "HICACHE_DEMO_MODEL_DIR")
     if env:
         return Path(env)
-    return Path.home() / ".cache" / "hicache" / f"demo-model-v{DEMO_VERSION}"
+    name = "demo-mla-model" if variant == "mla" else "demo-model"
+    return Path.home() / ".cache" / "hicache" / f"{name}-v{DEMO_VERSION}"
 
 
 def train_tokenizer(corpus: Path = CORPUS, vocab_size: int = TOKENIZER_VOCAB) -> Any:
@@ -99,18 +137,65 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
     return {k: t.contiguous() for k, t in w.items()}
 
 
-def write_demo_model(out_dir: str | Path) -> Path:
-    """Write the demo checkpoint into `out_dir` (created; existing files are overwritten)."""
+def random_mla_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights named like a Hugging Face DeepSeek-V3 checkpoint (per-expert
+    tensors, the router's `e_score_correction_bias`)."""
+    g = torch.Generator().manual_seed(seed)
+    h, v = config["hidden_size"], config["vocab_size"]
+    nh, qr, kr = config["num_attention_heads"], config["q_lora_rank"], config["kv_lora_rank"]
+    dn, dr, dv = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    e, mi = config["n_routed_experts"], config["moe_intermediate_size"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def mlp(p: str, inter: int) -> None:
+        w[p + "gate_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[p + "up_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[p + "down_proj.weight"] = normal(h, inter, std=inter**-0.5)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=1.0)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        w[a + "q_a_proj.weight"] = normal(qr, h, std=h**-0.5)
+        w[a + "q_a_layernorm.weight"] = torch.ones(qr)
+        w[a + "q_b_proj.weight"] = normal(nh * (dn + dr), qr, std=qr**-0.5)
+        w[a + "kv_a_proj_with_mqa.weight"] = normal(kr + dr, h, std=h**-0.5)
+        w[a + "kv_a_layernorm.weight"] = torch.ones(kr)
+        w[a + "kv_b_proj.weight"] = normal(nh * (dn + dv), kr, std=kr**-0.5)
+        w[a + "o_proj.weight"] = normal(h, nh * dv, std=(nh * dv) ** -0.5)
+        if layer < config["first_k_dense_replace"]:
+            mlp(p + "mlp.", config["intermediate_size"])
+        else:
+            w[p + "mlp.gate.weight"] = normal(e, h, std=h**-0.5)
+            w[p + "mlp.gate.e_score_correction_bias"] = normal(e, std=0.1)
+            for x in range(e):
+                mlp(f"{p}mlp.experts.{x}.", mi)
+            mlp(p + "mlp.shared_experts.", mi * config["n_shared_experts"])
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = normal(v, h, std=4.0 * h**-0.5)  # peaked, as the Llama demo's
+    return {k: t.contiguous() for k, t in w.items()}
+
+
+def write_demo_model(out_dir: str | Path, variant: str = "llama") -> Path:
+    """Write the demo checkpoint of `variant` into `out_dir` (created; existing files are
+    overwritten)."""
     from safetensors.torch import save_file
 
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown demo model variant {variant!r}; known: {', '.join(VARIANTS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     vocab = tok.get_vocab_size()
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    mla = variant == "mla"
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["DeepseekV3ForCausalLM" if mla else "LlamaForCausalLM"],
+        "model_type": "deepseek_v3" if mla else "llama",
         "vocab_size": vocab,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
@@ -120,8 +205,10 @@ def write_demo_model(out_dir: str | Path) -> Path:
         "bos_token_id": None,
         "eos_token_id": [ids["<|end|>"], ids["<|endoftext|>"]],
         "pad_token_id": ids["<|endoftext|>"],
-        **DEMO_ARCH,
+        **(DEMO_MLA_ARCH if mla else DEMO_ARCH),
     }
+    if mla:
+        del config["mlp_bias"]  # not a DeepSeek-V3 field
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -131,26 +218,30 @@ def write_demo_model(out_dir: str | Path) -> Path:
         "unk_token": None,
         "additional_special_tokens": SPECIAL_TOKENS[1:4],
         "chat_template": CHAT_TEMPLATE,
-        "model_max_length": DEMO_ARCH["max_position_embeddings"],
+        "model_max_length": config["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, sort_keys=True))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     gen = {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
-    save_file(random_weights(config, SEED), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_mla_weights(config, SEED) if mla else random_weights(config, SEED)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
-def ensure_demo_model(path: str | Path | None = None) -> Path:
-    """The demo checkpoint directory, written on first use (atomically) and reused after."""
-    target = Path(path) if path is not None else default_dir()
+def ensure_demo_model(path: str | Path | None = None, variant: str = "llama") -> Path:
+    """The demo checkpoint directory of `variant` (`llama`, the default model, or `mla`),
+    written on first use (atomically) and reused after."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown demo model variant {variant!r}; known: {', '.join(VARIANTS)}")
+    target = Path(path) if path is not None else default_dir(variant)
     if (target / _MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
     try:
-        write_demo_model(tmp)
+        write_demo_model(tmp, variant)
         (tmp / _MARKER).write_text(DEMO_VERSION)
         try:
             tmp.rename(target)

@@ -150,13 +150,14 @@ class EngineBase:
         self.cache: PrefixCache
         if not args.disable_radix_cache:
             hc = args.to_hicache_config()
-            # MLA keeps one latent per token, the same on every rank: one set of L3 pages,
-            # written by rank 0 and read by all. Otherwise each rank's KV heads are its own.
+            # MLA keeps one latent per token, bit-identical on every rank: one set of L3 pages
+            # for all ranks (rank 0 writes, all read). Otherwise each rank's KV heads are its
+            # own. The TP size stays in the seed: under another TP size the latent differs by
+            # float rounding, and equal keys must mean equal bytes.
             mla = bool(getattr(cfg, "is_mla", False))
             ns = namespace_seed(
                 model_fingerprint=self.model_id, dtype=dtype_name(self.dtype), page_size=ps,
-                layout=hc.mem_layout, tp_rank=0 if mla else self.tp_rank,
-                tp_size=1 if mla else args.tp_size,
+                layout=hc.mem_layout, tp_rank=0 if mla else self.tp_rank, tp_size=args.tp_size,
             )
             self.cache = HiRadixCache(
                 hc, device_pool=self.runner.pool, namespace=ns,

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import ForwardBatch, make_attention_backend
 from engine.attention.base import Seq
-from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel import TPModel
 from hicache.pools import DeviceKVPool
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: TPModel,
         *,
         num_pages: int,
         page_size: int,
@@ -36,22 +36,30 @@ class ModelRunner:
     ) -> None:
         """`cuda_graph_max_bs`: capture decode graphs up to this batch size (0: none; used only
         on CUDA with a backend that supports graphs). `context_length` bounds the graphs' page
-        table width (default: the model's max_position_embeddings)."""
+        table width (default: the model's max_position_embeddings).
+
+        The pool and the backend take their shape from `model.kv_spec` (this tensor-parallel
+        rank's KV heads, or one MLA latent per token). CUDA graphs are not captured for a
+        model under tensor parallelism or one that does not support them (MoE)."""
         cfg = model.config
+        spec = model.kv_spec
         self.model = model
         self.config = cfg
+        self.kv_spec = spec
         self.device = device
         self.pool = DeviceKVPool(
             num_pages=num_pages,
             page_size=page_size,
-            num_layers=cfg.num_layers,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            num_layers=spec.num_layers,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
             dtype=dtype,
             device=device,
+            mla=spec.mla,
         )
         self.attn = make_attention_backend(
-            attention_backend, self.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5
+            attention_backend, self.pool, spec.num_heads, spec.head_dim, spec.scale,
+            spec.v_head_dim,
         )
         logger.info(
             "device KV pool: %d pages x %d tokens (%.1f MiB), attention backend %s",
@@ -60,7 +68,9 @@ class ModelRunner:
         )
         self.graph_runner = None
         self.cuda_graph_error: str | None = None  # why the capture failed (decode runs eagerly)
-        if cuda_graph_max_bs > 0 and device.type == "cuda" and self.attn.supports_cuda_graph:
+        graphs = model.supports_cuda_graph and model.tp.is_solo
+        if (cuda_graph_max_bs > 0 and device.type == "cuda" and self.attn.supports_cuda_graph
+                and graphs):
             from engine.cuda_graph import CudaGraphRunner
 
             ctx = context_length or cfg.max_position_embeddings

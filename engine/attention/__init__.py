@@ -33,16 +33,22 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
 
 
 def make_attention_backend(
-    name: str, pool: DeviceKVPool, num_heads: int, head_dim: int, scale: float
+    name: str,
+    pool: DeviceKVPool,
+    num_heads: int,
+    head_dim: int,
+    scale: float,
+    v_head_dim: int | None = None,
 ) -> AttentionBackend:
     """`auto` takes `triton` only when it passes a self-check against `torch` on this device
-    (small pools of `pool`'s shape); else it warns and takes `torch`."""
+    (small pools of `pool`'s shape, MLA or not); else it warns and takes `torch`.
+    `v_head_dim`: the width of V (an MLA pool's V is that prefix of the latent)."""
     requested = name
     name = resolve_attention_backend(name, pool.device.type)
     if name == "triton" and requested == "auto":
         from engine.attention.triton_backend import triton_self_check
 
-        err = triton_self_check(pool, num_heads, head_dim, scale)
+        err = triton_self_check(pool, num_heads, head_dim, scale, v_head_dim)
         if err is not None:
             logger.warning("attention_backend auto: triton failed its self-check (%s); "
                            "using torch", err)
@@ -50,8 +56,8 @@ def make_attention_backend(
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, num_heads, head_dim, scale)
-    return TorchAttentionBackend(pool, num_heads, head_dim, scale)
+        return TritonAttentionBackend(pool, num_heads, head_dim, scale, v_head_dim)
+    return TorchAttentionBackend(pool, num_heads, head_dim, scale, v_head_dim)
 
 
 __all__ = [

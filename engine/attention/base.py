@@ -143,7 +143,12 @@ class AttentionBackend(ABC):
     layer: it first writes the new tokens' K/V into `batch.out_slots` of layer `layer` (a slot of
     -1 is skipped, backends that support CUDA graphs only), then attends each request's queries
     over its pages with a causal mask offset by the cached prefix. Returns
-    `[T, num_heads * head_dim]`.
+    `[T, num_heads * v_head_dim]`.
+
+    Over an MLA pool (`pool.mla`: one latent per token) `forward` gets the latent as `k`
+    (`[T, 1, head_dim]`) and no `v`: it writes the latent, scores the queries (`[T, H,
+    head_dim]`, already in latent space) against whole latents and takes the first
+    `v_head_dim` dims of each latent as its value (multi-query attention over the latent).
     """
 
     name: str = "base"
@@ -151,11 +156,25 @@ class AttentionBackend(ABC):
     # step can be captured in a CUDA graph and replayed with new tensor contents.
     supports_cuda_graph: bool = False
 
-    def __init__(self, pool: DeviceKVPool, num_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        v_head_dim: int | None = None,
+    ) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if pool.head_dim != head_dim:
+            raise ValueError(f"pool rows are {pool.head_dim} wide, q/k heads {head_dim}")
+        if not pool.mla and self.v_head_dim != head_dim:
+            raise ValueError("a K/V pool holds V as wide as K")
+        if pool.mla and not 0 < self.v_head_dim <= head_dim:
+            raise ValueError(f"V ({self.v_head_dim} dims) must be a prefix of the latent")
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
@@ -165,7 +184,7 @@ class AttentionBackend(ABC):
         self,
         layer: int,
         q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor,  # [T, Hkv, D] (MLA: the latent, [T, 1, D])
+        v: torch.Tensor | None,  # [T, Hkv, D] (MLA: None)
         batch: ForwardBatch,
     ) -> torch.Tensor: ...

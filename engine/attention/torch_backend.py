@@ -4,6 +4,7 @@ Prefill (any request with more than one new token) runs request by request with 
 causal mask offset by the cached prefix; a pure decode batch gathers every request's K/V into one
 padded `[B, max_len]` block and runs a single SDPA call with a padding mask. Slots come from the
 batch's padded page table (one tensor op per step); the loops run on host-side lengths only.
+Over an MLA pool K is the gathered latent and V its first `v_head_dim` dims (one KV head).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TorchAttentionBackend(AttentionBackend):
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         pool = self.pool
@@ -73,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta = batch.meta
         if isinstance(meta, _DecodeMeta):
             kk = kbuf[meta.slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vv = vbuf[meta.slots].transpose(1, 2).to(q.dtype)
+            vv = self._values(kk, vbuf, meta.slots)
             o = F.scaled_dot_product_attention(
                 q[:, :, None, :], kk, vv, attn_mask=meta.mask, scale=self.scale, enable_gqa=gqa
             )  # [B, H, 1, D]
@@ -83,13 +84,19 @@ class TorchAttentionBackend(AttentionBackend):
             return self._one(q, kbuf, vbuf, meta.slots[0], meta.masks[0], gqa).reshape(
                 q.shape[0], -1
             )
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], q.shape[1], self.v_head_dim)
         for i, start in enumerate(meta.starts):
             n = batch.q_lens[i]
             out[start : start + n] = self._one(
                 q[start : start + n], kbuf, vbuf, meta.slots[i], meta.masks[i], gqa
             )
         return out.reshape(q.shape[0], -1)
+
+    def _values(self, kk: torch.Tensor, vbuf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """V laid out as `kk` (`[..., Hkv, L, D]`): the latent's first dims over an MLA pool."""
+        if self.pool.mla:
+            return kk[..., : self.v_head_dim]
+        return vbuf[slots].transpose(-3, -2).to(kk.dtype)
 
     def _one(
         self,
@@ -101,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
         gqa: bool,
     ) -> torch.Tensor:
         kk = kbuf[slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
-        vv = vbuf[slots].transpose(0, 1)[None].to(q.dtype)
+        vv = self._values(kk, vbuf, slots).reshape(1, kk.shape[1], kk.shape[2], -1)
         qq = q.transpose(0, 1)[None]  # [1, H, n, D]
         causal = mask is None and q.shape[0] > 1  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal,

@@ -4,13 +4,18 @@ Modelled on SGLang's triton attention backend (decode_attention.py, extend_atten
 for our pool: K/V of one layer are `[slots, kv_heads, head_dim]`, a request's slots are reached
 through its row of the padded int32 page table (`slot = page * PAGE + pos % PAGE`).
 
-- `store_kv`: the new tokens' K and V into their slots, one launch; a slot of -1 is skipped (the
-  padding rows of a CUDA-graph batch).
-- `decode_attention`: one query token per request, GQA-grouped (the query heads of one KV head
-  share every K/V load and use `tl.dot`), split-K over the sequence (`num_splits` partial
+- `store_kv`: the new tokens' K and V (or an MLA latent alone) into their slots, one launch; a
+  slot of -1 is skipped (the padding rows of a CUDA-graph batch).
+- `decode_attention`: one query token per request, GQA-grouped (up to 16 query heads of one KV
+  head share every K/V load and use `tl.dot`), split-K over the sequence (`num_splits` partial
   results with their log-sum-exp), then a reduction kernel: two launches per layer.
 - `extend_attention`: a ragged batch of new tokens over cached prefixes, causal within the new
   tokens and full over the prefix; one launch per layer, grid (request, head, query block).
+
+Q and K rows are `[main | pe]`: V is as wide as the main part. For MHA/GQA the main part is the
+whole head (`pe_dim` 0) and V comes from the V buffer; for MLA (`v_from_k`) K is the latent
+`[kv_c | k_pe]` and V is its `kv_c` part, read once for both (as SGLang's MLA kernels do): the
+scores are `q_main . kv_c + q_pe . k_pe`.
 
 Every kernel reads lengths and page ids from tensors only, so a decode step can be captured in
 a CUDA graph. On CPU they run under Triton's interpreter (`TRITON_INTERPRET=1`).
@@ -52,6 +57,7 @@ def _store_kv_kernel(
     K, V, KBuf, VBuf, Slots,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_bh,
     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -60,24 +66,32 @@ def _store_kv_kernel(
     valid = (offs_h[:, None] * 0 + slot) >= 0  # the slot's sign, as a block
     mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < HEAD_DIM) & valid
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     dst = slot * stride_bt + offs_h[:, None] * stride_bh + offs_d[None, :]
     tl.store(KBuf + dst, k.to(KBuf.dtype.element_ty), mask=mask)
-    tl.store(VBuf + dst, v.to(VBuf.dtype.element_ty), mask=mask)
+    if HAS_V:
+        v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(VBuf + dst, v.to(VBuf.dtype.element_ty), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor | None,
+    slots: torch.Tensor,
 ) -> None:
-    """`kbuf[slots[t]] = k[t]` (and V) for every `t` with `slots[t] >= 0`."""
+    """`kbuf[slots[t]] = k[t]` (and V; an MLA latent has none) for every `t` with
+    `slots[t] >= 0`."""
     t, hkv, d = k.shape
     if t == 0:
         return
+    has_v = v is not None and vbuf is not None
+    vv, vb = (v, vbuf) if has_v else (k, kbuf)
     _store_kv_kernel[(t,)](
-        k, v, kbuf, vbuf, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kbuf.stride(0), kbuf.stride(1),
+        k, vv, kbuf, vb, slots,
+        k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), kbuf.stride(0), kbuf.stride(1),
         HKV=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv),
-        BLOCK_D=_block_d(d),
+        BLOCK_D=_block_d(d), HAS_V=has_v,
     )
 
 
@@ -86,26 +100,41 @@ def _kv_block(
     Row, n0, end, head_off, stride_bt, offs_d, mask_d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """KV tokens n0 .. n0 + BLOCK_N - 1 (those < end) of one request, whose page-table row
-    starts at `Row`: their positions, mask, element offsets in the paged K/V buffers (head at
-    `head_off`) and the mask of those offsets."""
+    starts at `Row`: their positions, mask, the element offset of each token's row in the paged
+    K/V buffers (head at `head_off`), the offsets of its main part (`offs_d`) and their mask."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     page = tl.load(Row + offs_n // PAGE, mask=mask_n, other=0)
     slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-    kv_off = slot[:, None] * stride_bt + head_off + offs_d[None, :]
+    base = slot * stride_bt + head_off
+    kv_off = base[:, None] + offs_d[None, :]
     kv_mask = mask_n[:, None] & mask_d[None, :]
-    return offs_n, mask_n, kv_off, kv_mask
+    return offs_n, mask_n, base, kv_off, kv_mask
 
 
 @triton.jit
-def _softmax_step(qk, q, VPtrs, kv_mask, m_i, l_i, acc, DOT_PREC: tl.constexpr):
-    """One online-softmax step: fold the masked scores `qk` and their V rows (at `VPtrs`) into
-    the running max `m_i`, denominator `l_i` and weighted sum `acc`; the new three."""
+def _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, DIM: tl.constexpr,
+            PE_DIM: tl.constexpr, HAS_PE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`q . k` of a block of keys (main part, plus the `pe` part after `DIM` when `HAS_PE`),
+    unscaled, and the keys' main part (an MLA latent's `kv_c`, which is also its V)."""
+    k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if HAS_PE:
+        pe_off = base[:, None] + DIM + offs_pe[None, :]
+        pe_mask = mask_n[:, None] & (offs_pe[None, :] < PE_DIM)
+        k_pe = tl.load(KBuf + pe_off, mask=pe_mask, other=0.0).to(q.dtype)
+        qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+    return qk, k
+
+
+@triton.jit
+def _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One online-softmax step: fold the masked scores `qk` and their V rows `v` into the
+    running max `m_i`, denominator `l_i` and weighted sum `acc`; the new three."""
     m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    v = tl.load(VPtrs, mask=kv_mask, other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
     return m_new, l_i, acc
 
@@ -115,19 +144,25 @@ def _decode_stage1(
     Q, KBuf, VBuf, PageTable, KvLens, MidO, MidLse, sm_scale,
     stride_qt, stride_qh, stride_bt, stride_bh, stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
+    HAS_PE: tl.constexpr, V_FROM_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_pe = tl.arange(0, BLOCK_PE)
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q_row = Q + b * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q_pe = tl.load(q_row + HEAD_DIM + offs_pe[None, :],
+                   mask=mask_h[:, None] & (offs_pe[None, :] < PE_DIM), other=0.0)
     kv_len = tl.load(KvLens + b)
     split_len = (kv_len + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * split_len
@@ -136,13 +171,17 @@ def _decode_stage1(
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs_n, mask_n, kv_off, kv_mask = _kv_block(
+        offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
             PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
             PAGE, BLOCK_N)
-        k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _softmax_step(qk, q, VBuf + kv_off, kv_mask, m_i, l_i, acc, DOT_PREC)
+        qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
+                        PE_DIM, HAS_PE, DOT_PREC)
+        qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
     has = l_i > 0.0  # an empty split (short sequence) reports -inf and a zero partial
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -179,36 +218,46 @@ def _decode_stage2(
              mask=mask_d)
 
 
+def _pe(q_dim: int, v_dim: int) -> dict[str, int | bool]:
+    """The `[main | pe]` split of q/k rows whose main part is as wide as V."""
+    pe = q_dim - v_dim
+    return {"PE_DIM": pe, "BLOCK_PE": _block_d(pe) if pe else 16, "HAS_PE": pe > 0}
+
+
 def decode_attention(
-    q: torch.Tensor,  # [B, H, D]
-    kbuf: torch.Tensor,  # [slots, Hkv, D]
-    vbuf: torch.Tensor,
+    q: torch.Tensor,  # [B, H, Dk]
+    kbuf: torch.Tensor,  # [slots, Hkv, Dk]
+    vbuf: torch.Tensor,  # [slots, Hkv, Dv] (MLA: unused, V is kbuf[..., :Dv])
     page_table: torch.Tensor,  # [B, P] int32
     kv_lens: torch.Tensor,  # [B] int32
     page_size: int,
     scale: float,
-    mid_o: torch.Tensor,  # [B, H, num_splits, D] float32 scratch
+    mid_o: torch.Tensor,  # [B, H, num_splits, Dv] float32 scratch
     mid_lse: torch.Tensor,  # [B, H, num_splits] float32 scratch
-    out: torch.Tensor,  # [B, H, D]
+    out: torch.Tensor,  # [B, H, Dv]
     block_n: int = 32,
+    v_from_k: bool = False,
 ) -> None:
-    b, h, d = q.shape
+    b, h, dk = q.shape
+    dv = out.shape[2]
     hkv = kbuf.shape[1]
     group = h // hkv
     splits = mid_lse.shape[2]
-    _decode_stage1[(b, hkv, splits)](
+    block_h = 16  # query heads of one KV head per program (more: several programs)
+    head_blocks = triton.cdiv(group, block_h)
+    _decode_stage1[(b, hkv * head_blocks, splits)](
         q, kbuf, vbuf, page_table, kv_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, PAGE=page_size, NUM_SPLITS=splits, HEAD_DIM=d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
+        GROUP=group, HEAD_BLOCKS=head_blocks, PAGE=page_size, NUM_SPLITS=splits, HEAD_DIM=dv,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=_block_d(dv), V_FROM_K=v_from_k,
+        DOT_PREC=_dot_precision(q.dtype), **_pe(dk, dv),
     )
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_D=_block_d(d),
+        NUM_SPLITS=splits, HEAD_DIM=dv, BLOCK_D=_block_d(dv),
     )
 
 
@@ -216,8 +265,9 @@ def decode_attention(
 def _extend_kernel(
     Q, KBuf, VBuf, Out, PageTable, QStarts, QLens, KvLens, sm_scale,
     stride_qt, stride_qh, stride_bt, stride_bh, stride_ot, stride_oh, stride_pt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PE_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
+    HAS_PE: tl.constexpr, V_FROM_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -229,11 +279,14 @@ def _extend_kernel(
     prefix = kv_len - q_len
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_pe = tl.arange(0, BLOCK_PE)
     mask_m = offs_m < q_len
     mask_d = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_row = Q + rows[:, None] * stride_qt + h * stride_qh
+    q = tl.load(q_row + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_pe = tl.load(q_row + HEAD_DIM + offs_pe[None, :],
+                   mask=mask_m[:, None] & (offs_pe[None, :] < PE_DIM), other=0.0)
     # Keys up to the block's last query (causal); none for a block past this request's tokens.
     end = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     end = tl.where(mblk * BLOCK_M < q_len, end, 0)
@@ -241,24 +294,28 @@ def _extend_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(0, end, BLOCK_N):
-        offs_n, mask_n, kv_off, kv_mask = _kv_block(
+        offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
             PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
             PAGE, BLOCK_N)
-        k = tl.load(KBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
+        qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
+                        PE_DIM, HAS_PE, DOT_PREC)
         # Key 0 is visible to every row, so each row's max is finite after the first block.
         ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
-        qk = tl.where(ok, qk, float("-inf"))
-        m_i, l_i, acc = _softmax_step(qk, q, VBuf + kv_off, kv_mask, m_i, l_i, acc, DOT_PREC)
+        qk = tl.where(ok, qk * sm_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def extend_attention(
-    q: torch.Tensor,  # [T, H, D]
-    kbuf: torch.Tensor,  # [slots, Hkv, D]
-    vbuf: torch.Tensor,
+    q: torch.Tensor,  # [T, H, Dk]
+    kbuf: torch.Tensor,  # [slots, Hkv, Dk]
+    vbuf: torch.Tensor,  # [slots, Hkv, Dv] (MLA: unused, V is kbuf[..., :Dv])
     page_table: torch.Tensor,  # [B, P] int32
     q_starts: torch.Tensor,  # [B + 1] int32
     q_lens: torch.Tensor,  # [B] int32
@@ -266,17 +323,20 @@ def extend_attention(
     max_q_len: int,
     page_size: int,
     scale: float,
-    out: torch.Tensor,  # [T, H, D]
+    out: torch.Tensor,  # [T, H, Dv]
     block_m: int = 32,
     block_n: int = 32,
+    v_from_k: bool = False,
 ) -> None:
-    t, h, d = q.shape
+    t, h, dk = q.shape
+    dv = out.shape[2]
     b = q_lens.shape[0]
     hkv = kbuf.shape[1]
     _extend_kernel[(b, h, triton.cdiv(max_q_len, block_m))](
         q, kbuf, vbuf, out, page_table, q_starts, q_lens, kv_lens, scale,
         q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0),
-        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_block_d(d), DOT_PREC=_dot_precision(q.dtype),
+        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_block_d(dv), V_FROM_K=v_from_k, DOT_PREC=_dot_precision(q.dtype),
+        **_pe(dk, dv),
     )

@@ -1,7 +1,19 @@
-"""Llama-family decoders over the paged KV pool, and the checkpoint loader."""
+"""Our decoders over the paged KV pool (Llama family; DeepSeek-V2/V3 with MLA and MoE), their
+tensor-parallel sharding, and the checkpoint loader."""
 
-from engine.models.config import ModelConfig
+from engine.models.config import KVSpec, ModelConfig, kv_bytes_per_token
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, model_fingerprint
+from engine.models.parallel import TPModel
 
-__all__ = ["LlamaForCausalLM", "ModelConfig", "load_model", "model_fingerprint"]
+__all__ = [
+    "DeepseekForCausalLM",
+    "KVSpec",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "TPModel",
+    "kv_bytes_per_token",
+    "load_model",
+    "model_fingerprint",
+]

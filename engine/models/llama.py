@@ -3,6 +3,11 @@
 Parameter names mirror the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj.weight`...)
 so weights load by name. Differences between the families are config flags: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling.
+
+Tensor parallelism (`engine.models.parallel`): q/k/v and gate/up are column-parallel by heads and
+columns, o_proj and down_proj row-parallel (all-reduce, then their bias); with fewer KV heads than
+ranks each rank keeps the KV head its query heads use. Embedding and lm_head are
+vocabulary-parallel; the logits are gathered, so every rank returns the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, ForwardBatch
-from engine.models.config import ModelConfig
+from engine.distributed import TPGroup
+from engine.models.config import KVSpec, ModelConfig
+from engine.models.parallel import (
+    ParallelLMHead,
+    Piece,
+    RowParallelLinear,
+    TPModel,
+    VocabParallelEmbedding,
+    kv_head_share,
+    rows,
+    split,
+    vocab_piece,
+)
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +86,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, context_length: int) -> None:
         super().__init__()
+        self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg, context_length), persistent=False)
+
+    def reset_buffers(self, context_length: int) -> None:
+        """Recompute the frequencies (float32) where the buffer lives (after `to_empty`)."""
+        self.inv_freq = rope_inv_freq(self.cfg, context_length).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
@@ -89,21 +111,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        heads = split(cfg.num_heads, tp, "num_attention_heads")
+        kv = kv_head_share(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.num_heads = heads.stop - heads.start
+        self.num_kv_heads = kv.stop - kv.start
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * d, h, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # Checkpoint rows of this rank's q and k/v heads, and how many rows there are.
+        self.shards = {"q": (rows(heads, d), cfg.num_heads * d),
+                       "kv": (rows(kv, d), cfg.num_kv_heads * d)}
 
     def forward(
         self,
@@ -126,22 +153,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU; gate/up column-parallel, down row-parallel over `intermediate` columns."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.share = split(intermediate, tp, "intermediate_size")
+        self.full = intermediate
+        i = self.share.stop - self.share.start
+        self.gate_proj = nn.Linear(hidden, i, bias=bias)
+        self.up_proj = nn.Linear(hidden, i, bias=bias)
+        self.down_proj = RowParallelLinear(i, hidden, bias, tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (no reduce, no down bias)."""
+        return self.down_proj.partial(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def piece(self, prefix: str, leaf: str) -> Piece:
+        """Where `{prefix}.{leaf}` (e.g. `gate_proj.weight`) of the checkpoint goes."""
+        name = f"{prefix}.{leaf}"
+        if leaf in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
+            return Piece(name, 0, self.share, self.full)
+        if leaf == "down_proj.weight":
+            return Piece(name, 1, self.share, self.full)
+        return Piece(name)  # down_proj.bias: whole, added after the reduce
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -158,26 +202,60 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, context_length: int) -> None:
+    def __init__(self, cfg: ModelConfig, context_length: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, context_length)
 
 
-class LlamaForCausalLM(nn.Module):
-    """`forward(batch, attn) -> logits [rows, vocab]` (float32) for `batch.logits_rows`."""
+class LlamaForCausalLM(TPModel):
+    """`forward(batch, attn) -> logits [rows, vocab]` (float32) for `batch.logits_rows`; under
+    tensor parallelism this rank's shard, returning the whole vocabulary's logits."""
 
-    def __init__(self, cfg: ModelConfig, context_length: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, context_length: int | None = None, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, context_length or cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TPGroup.solo()
+        self.model = Backbone(cfg, context_length or cfg.max_position_embeddings, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.kv_spec: KVSpec = cfg.kv_spec(tp.size)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def load_piece(self, name: str) -> Piece | None:
+        cfg, tp = self.config, self.tp
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None  # the embedding's
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return vocab_piece(name, cfg.vocab_size, tp)
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or len(parts) < 5 or not parts[2].isdigit():
+            return Piece(name)  # final norm; unknown names fail on lookup
+        i = int(parts[2])
+        if i >= cfg.num_layers:
+            return Piece(name)
+        module, leaf = parts[3], ".".join(parts[4:])
+        layer = self.model.layers[i]
+        if module == "mlp":
+            return layer.mlp.piece(f"model.layers.{i}.mlp", leaf)
+        if module == "self_attn":
+            shards = layer.self_attn.shards
+            proj = leaf.split(".")[0]
+            if proj == "q_proj":
+                return Piece(name, 0, *shards["q"])
+            if proj in ("k_proj", "v_proj"):
+                return Piece(name, 0, *shards["kv"])
+            if leaf == "o_proj.weight":
+                return Piece(name, 1, *shards["q"])
+        return Piece(name)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Load a Hugging Face checkpoint directory: `config.json` + safetensors (single or sharded)."""
+"""Load a Hugging Face checkpoint directory: `config.json` + safetensors (single or sharded).
+
+Under tensor parallelism each rank reads only its part of every tensor (`get_slice`), as the
+model's `load_piece` says; nothing is loaded whole and sliced after.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,19 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from engine.distributed import TPGroup
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.models.parallel import Piece, TPModel
 from hicache.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-# Checkpoint tensors that carry no weights of ours.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -65,53 +69,97 @@ _FINGERPRINT_SAMPLES = 16
 _FINGERPRINT_CHUNK = 64 * 1024
 
 
+def model_class(cfg: ModelConfig) -> type[TPModel]:
+    if cfg.is_mla:
+        from engine.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    from engine.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _read(sl: Any, piece: Piece, name: str) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (`sl`: a safetensors slice). The sliced
+    dimension must have the size the config implies (a checkpoint with more or fewer heads than
+    its config is an error, never a silently shifted slice); a vocabulary shard running past the
+    end is zero-padded."""
+    if piece.dim is None:
+        return sl[:]
+    shape = sl.get_shape()
+    if piece.dim >= len(shape) or shape[piece.dim] != piece.full:
+        raise ConfigError(f"tensor {name!r} has shape {tuple(shape)}; the config implies "
+                          f"{piece.full} along dimension {piece.dim}")
+    lo, hi = piece.part.start, piece.part.stop
+    index = [slice(None)] * len(shape)
+    index[piece.dim] = slice(min(lo, piece.full), min(hi, piece.full))
+    t = sl[tuple(index)]
+    short = (hi - lo) - t.shape[piece.dim]
+    if short > 0 and piece.pad:
+        pad = list(t.shape)
+        pad[piece.dim] = short
+        t = torch.cat([t, t.new_zeros(pad)], dim=piece.dim)
+    return t
+
+
 def load_model(
     path: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     context_length: int | None = None,
-) -> LlamaForCausalLM:
+    tp: TPGroup | None = None,
+) -> TPModel:
+    """This rank's shard of the checkpoint at `path` (the whole model with `tp` solo / None):
+    `LlamaForCausalLM` or `DeepseekForCausalLM`, in `dtype` on `device`, in eval mode."""
+    tp = tp or TPGroup.solo()
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, context_length)
+        model = model_class(cfg)(cfg, context_length, tp).to(dtype)
+        for name, p in model.named_parameters():
+            if name.endswith(model.keep_fp32):
+                p.data = p.data.float()
     model = model.to_empty(device=device)
-    # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
-    model.model.rotary_emb.inv_freq = rope_inv_freq(
-        cfg, context_length or cfg.max_position_embeddings
-    ).to(device)
+    # Buffers (RoPE frequencies, float32) are computed, not loaded: rebuild them on the device.
+    ctx = context_length or cfg.max_position_embeddings
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if reset is not None:
+            reset(ctx)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: dict[str, set[str]] = {}
     for f in weight_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(_IGNORED_SUFFIXES):
+                piece = model.load_piece(name)
+                if piece is None:
                     continue
-                if name not in params:
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue
+                if piece.param not in params:
                     raise ConfigError(f"unexpected tensor {name!r} in {f.name}")
-                t = sf.get_tensor(name)
-                p = params[name]
-                if tuple(t.shape) != tuple(p.shape):
+                dst = params[piece.param]
+                if piece.dst:
+                    dst = dst[piece.dst]
+                t = _read(sf.get_slice(name), piece, name)
+                if tuple(t.shape) != tuple(dst.shape):
                     raise ConfigError(
-                        f"tensor {name!r} has shape {tuple(t.shape)}, model expects "
-                        f"{tuple(p.shape)}"
+                        f"tensor {name!r} gives shape {tuple(t.shape)} on rank {tp.rank}, "
+                        f"the model expects {tuple(dst.shape)}"
                     )
                 with torch.no_grad():
-                    p.copy_(t.to(device=device))
-                loaded.add(name)
+                    dst.copy_(t.to(device=device))
+                loaded.setdefault(piece.param, set()).add(repr(piece.dst))
+    model.tie_weights()
     if cfg.tie_word_embeddings:
-        model.tie_weights()
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+        loaded["lm_head.weight"] = {"()"}
+    missing = sorted(
+        n for n in params if len(loaded.get(n, ())) < model.param_pieces(n)
+    )
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    model = model.to(dtype)
     model.eval()
     model.requires_grad_(False)
     logger.info(
-        "loaded %s (%s, %d layers, hidden %d) as %s on %s",
-        path, cfg.model_type, cfg.num_layers, cfg.hidden_size, dtype, device,
+        "loaded %s (%s, %d layers, hidden %d) as %s on %s, tp rank %d of %d",
+        path, cfg.model_type, cfg.num_layers, cfg.hidden_size, dtype, device, tp.rank, tp.size,
     )
     return model

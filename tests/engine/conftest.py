@@ -19,6 +19,9 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
     """Every parameter random (biases and norm weights too), so each term is exercised."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
@@ -48,10 +51,13 @@ def make_checkpoint(
     lm_head_scale: float = 8.0,
     **extra: Any,
 ) -> Path:
-    """A random-weight checkpoint of `kind` (llama, qwen2, qwen3, mistral) saved by transformers
-    (safetensors), with the demo model's tokenizer when `with_tokenizer`."""
+    """A random-weight checkpoint of `kind` (llama, qwen2, qwen3, mistral, deepseek_v2,
+    deepseek_v3: MLA fields in `extra`) saved by transformers (safetensors), with the demo
+    model's tokenizer when `with_tokenizer`."""
     from transformers import (
         AutoModelForCausalLM,
+        DeepseekV2Config,
+        DeepseekV3Config,
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
@@ -59,7 +65,8 @@ def make_checkpoint(
     )
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig}[kind]
+           "mistral": MistralConfig, "deepseek_v2": DeepseekV2Config,
+           "deepseek_v3": DeepseekV3Config}[kind]
     cfg = cls(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

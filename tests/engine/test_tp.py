@@ -172,3 +172,50 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_model: Path) -> None:
         assert time.monotonic() - t0 < 30
         with pytest.raises(RankFailure):  # and it stays failed
             e.add_request(input_ids=[1, 2, 3])
+
+
+# -- MLA: one latent per token, the same on every rank -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_model(checkpoint_factory: Any) -> Path:
+    from tests.engine.test_mla_models import MLA_CASES
+
+    kind, extra = MLA_CASES["v3_yarn"]  # q LoRA, MoE with sigmoid routing, YaRN
+    return checkpoint_factory(kind, **extra)
+
+
+def test_mla_tp2_writes_l3_once_and_every_rank_reads_it(
+    mla_model: Path, tmp_path: Path, sessions: list[Any]
+) -> None:
+    store = tmp_path / "pages"
+    with Engine(**_args(mla_model, disable_radix_cache=True)) as e:
+        expect = run_sessions(e, sessions)
+        follow = [s.history + [7, 8, 9, 10, 11] for s in sessions]
+        expect_follow = [r["output_ids"] for r in e.generate(input_ids=follow,
+                                                             sampling_params=PARAMS)]
+    wrote = _fill_store(mla_model, store, sessions)
+    assert [s.history + [7, 8, 9, 10, 11] for s in sessions] == follow
+    # Rank 0 wrote every page once; rank 1, holding the same latents, wrote none of them.
+    assert wrote[0]["storage_backup_pages"] > 0 and wrote[1]["storage_backup_pages"] == 0
+    assert wrote[1]["storage_backup_skipped_pages"] >= wrote[0]["storage_backup_pages"]
+    files = [p for p in store.rglob("*") if p.is_file()]
+    assert len(files) == wrote[0]["storage_backup_pages"]
+    with Engine(**_args(mla_model, tp_size=2, **_l3(store))) as e:
+        got = [r["output_ids"] for r in e.generate(input_ids=follow, sampling_params=PARAMS)]
+        ranks = e.rank_cache_stats()
+    assert got == expect_follow
+    hit = ranks[0]["storage_hit_tokens"]
+    assert hit > 0 and ranks[1]["storage_hit_tokens"] == hit
+    assert all(r["storage"]["get_hits"] * PS >= hit for r in ranks)  # both read the one copy
+    # One rank cannot read the shared pages: neither uses them.
+    with Engine(**_args(mla_model, tp_size=2, **_l3(store, FAULTY, fault="raise"))) as e:
+        got = [r["output_ids"] for r in e.generate(input_ids=follow, sampling_params=PARAMS)]
+        ranks = e.rank_cache_stats()
+    assert got == expect_follow
+    assert ranks[0]["storage_hit_tokens"] == ranks[1]["storage_hit_tokens"] == 0
+    assert ranks[1]["storage_errors"] > 0
+    # And the whole workload, caching on, equals caching off at TP=1.
+    with Engine(**_args(mla_model, tp_size=2, enable_hierarchical_cache=True,
+                        max_total_tokens=512)) as e:
+        assert run_sessions(e, sessions) == expect
