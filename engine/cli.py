@@ -40,7 +40,8 @@ _HELP_OVERRIDES: dict[str, str] = {
     "enable_metrics": "Serve Prometheus metrics at /metrics.",
     "api_key": "Require 'Authorization: Bearer KEY' on every endpoint but /health.",
     "model_path": "Hugging Face checkpoint directory (config.json + safetensors); "
-    "default: the embedded demo model.",
+    "default (or hicache-demo): the embedded demo model; hicache-demo-mla: its DeepSeek-V3-shaped "
+    "variant (MLA + MoE).",
 }
 
 

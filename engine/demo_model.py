@@ -76,6 +76,8 @@ DEMO_MLA_ARCH: dict[str, Any] = {
                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
 }
 VARIANTS = ("llama", "mla")
+# `--model-path` names of the demo checkpoints (also the model name the server reports).
+DEMO_NAMES = {"hicache-demo": "llama", "hicache-demo-mla": "mla"}
 _MARKER = ".complete"
 
 
@@ -264,3 +266,12 @@ def checkpoint_digest(path: str | Path) -> str:
         if f.is_file() and not f.name.startswith("."):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
+
+
+def resolve_model_path(model_path: str | None) -> Path:
+    """The checkpoint directory `--model-path` names: a directory as is; None or `hicache-demo`
+    the demo model; `hicache-demo-mla` its DeepSeek-V3-shaped variant (both written on first
+    use). A directory of that name wins over the demo names."""
+    if model_path and (model_path not in DEMO_NAMES or Path(model_path).exists()):
+        return Path(model_path)
+    return ensure_demo_model(variant=DEMO_NAMES.get(model_path or "", "llama"))

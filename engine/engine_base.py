@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.args import EngineArgs
-from engine.demo_model import ensure_demo_model
+from engine.demo_model import resolve_model_path
 from engine.distributed import TPGroup, destroy_tp_group, init_tp_group
 from engine.model_runner import ModelRunner
 from engine.models.config import kv_bytes_per_token
@@ -71,7 +70,7 @@ class EngineBase:
         self._ranks: RankProcesses | None = None
         self.tp = TPGroup.solo()
         self.sync: RankSync = SOLO
-        self.model_path = Path(args.model_path) if args.model_path else ensure_demo_model()
+        self.model_path = resolve_model_path(args.model_path)
         self.device = resolve_device(args.device)
         if args.tp_size > 1:
             self._start_tp(init_method)
