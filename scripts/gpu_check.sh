@@ -65,7 +65,7 @@ fi
 
 # -- the gpu tests ---------------------------------------------------------------------------
 GPU_TESTS="tests/hicache/test_transfer.py tests/hicache/test_roundtrip.py tests/hicache/test_transfer_layerwise.py"
-for f in tests/engine/test_attention_*.py tests/engine/test_models.py; do
+for f in tests/engine/test_attention_*.py tests/engine/test_mla_attention_triton.py tests/engine/test_models.py; do
   [ -f "$f" ] && GPU_TESTS="$GPU_TESTS $f"
 done
 if [ "${GPU_CHECK_STANDIN:-0}" != 1 ] && "$PY" -c "import pytest" 2>/dev/null; then

@@ -16,17 +16,19 @@ from engine.attention import ForwardBatch, make_attention_backend  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from hicache.pools import DeviceKVPool  # noqa: E402
-from tests.engine.test_attention_triton import DEV, SHAPES, _tables  # noqa: E402
+from tests.engine.test_attention_triton import CUDA, DEV, SHAPES, _tables  # noqa: E402
 from tests.engine.test_mla_models import mla_checkpoint, runner_logits  # noqa: E402
 
 LATENT, ROPE = 32, 8  # kv_lora_rank, qk_rope_head_dim
 
 
-def _mla_pools(page_size: int) -> tuple[DeviceKVPool, DeviceKVPool]:
-    num_pages = 128 if page_size == 1 else 24
+def _mla_pools(page_size: int, latent: int = LATENT, rope: int = ROPE,
+               dtype: torch.dtype = torch.float32, num_pages: int | None = None
+               ) -> tuple[DeviceKVPool, DeviceKVPool]:
+    num_pages = num_pages or (128 if page_size == 1 else 24)
     pools = tuple(
         DeviceKVPool(num_pages=num_pages, page_size=page_size, num_layers=2, kv_heads=1,
-                     head_dim=LATENT + ROPE, device=DEV, mla=True)
+                     head_dim=latent + rope, device=DEV, mla=True, dtype=dtype)
         for _ in range(2)
     )
     init = torch.randn(pools[0].kv.shape, generator=torch.Generator().manual_seed(5)).to(DEV)
@@ -35,26 +37,28 @@ def _mla_pools(page_size: int) -> tuple[DeviceKVPool, DeviceKVPool]:
     return pools  # type: ignore[return-value]
 
 
-def check_mla(page_size: int, heads: int, reqs: list[tuple[int, int]], seed: int) -> None:
-    pt, pr = _mla_pools(page_size)
-    d = LATENT + ROPE
-    scale = 0.3
-    ref = make_attention_backend("torch", pt, heads, d, scale, LATENT)
-    tri = make_attention_backend("triton", pr, heads, d, scale, LATENT)
+def check_mla(page_size: int, heads: int, reqs: list[tuple[int, int]], seed: int,
+              latent: int = LATENT, rope: int = ROPE, dtype: torch.dtype = torch.float32,
+              atol: float = 2e-5, num_pages: int | None = None) -> None:
+    pt, pr = _mla_pools(page_size, latent, rope, dtype, num_pages)
+    d = latent + rope
+    scale = 0.3 if latent == LATENT else d**-0.5
+    ref = make_attention_backend("torch", pt, heads, d, scale, latent)
+    tri = make_attention_backend("triton", pr, heads, d, scale, latent)
     tables = _tables(pt, [q + p for q, p in reqs], seed=seed)
     seqs = [([0] * q, p, t) for (q, p), t in zip(reqs, tables)]
     g = torch.Generator().manual_seed(seed)
     t = sum(q for q, _ in reqs)
-    q = torch.randn(t, heads, d, generator=g).to(DEV)
-    latent = torch.randn(t, 1, d, generator=g).to(DEV)
+    q = torch.randn(t, heads, d, generator=g).to(DEV, dtype)
+    lat = torch.randn(t, 1, d, generator=g).to(DEV, dtype)
     for layer in range(2):
         outs = []
         for pool, backend in ((pt, ref), (pr, tri)):
             batch = ForwardBatch.build(pool, seqs)
             backend.prepare(batch)
-            outs.append(backend.forward(layer, q, latent, None, batch))
-        assert outs[1].shape == (t, heads * LATENT)
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+            outs.append(backend.forward(layer, q, lat, None, batch))
+        assert outs[1].shape == (t, heads * latent)
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
     # Both wrote the new tokens' latents to the same slots and nothing else.
     assert torch.equal(pr.kv, pt.kv)
 
@@ -99,3 +103,16 @@ def test_mla_self_check_passes() -> None:
     pool = DeviceKVPool(num_pages=4, page_size=16, num_layers=1, kv_heads=1,
                         head_dim=LATENT + ROPE, device=DEV, mla=True)
     assert triton_self_check(pool, 4, LATENT + ROPE, 0.3, LATENT) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["decode_mixed", "extend_prefix"])
+def test_gpu_mla_at_deepseek_width(dtype: torch.dtype, shape: str) -> None:
+    """Compiled MLA kernels at DeepSeek-V2/V3's latent (512 + 64) and 16 heads a rank, page 64,
+    float32 and bfloat16, longer requests (several tiles and decode splits)."""
+    reqs = [(q * 3, p * 9) for q, p in SHAPES[shape]]
+    reqs = [(1, p) if q == 3 else (q, p) for q, p in reqs]  # decode rows stay decode rows
+    check_mla(64, 16, reqs, seed=7, latent=512, rope=64, dtype=dtype, num_pages=64,
+              atol=2e-4 if dtype == torch.float32 else 6e-2)
