@@ -2,7 +2,9 @@
 
 Backends move opaque page *records* (bytes, see hicache.codec). `StorageBackend.batch_get`
 validates each record it returns, so a truncated, bit-flipped or misplaced record is a counted
-miss (and deleted where the backend can), never KV handed to a model.
+miss (and deleted where the backend can), never KV handed to a model. `batch_get_parts` /
+`batch_set_parts` do the same for records scattered over several buffers (a header buffer and
+the page's regions in a host pool), so a caller need not assemble them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from hicache.codec import verify_record
+from hicache.codec import RecordHeader, verify_record
 from hicache.errors import StorageCorrupt
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class Checked(NamedTuple):
 
 
 _ABSENT = Checked(-1, None)
+# A caller's own judgement of a record that passed every check (`batch_get_parts(accept=...)`):
+# why it is not wanted (e.g. a page of another format), or None to take it.
+HeaderCheck = Callable[[str, RecordHeader], str | None]
 # Records at least this long are checked off the reading thread (a thread hand-off costs tens of
 # microseconds; XXH3 checks 256 KiB in about ten).
 OFFLOAD_CHECK_BYTES = 256 << 10
@@ -121,6 +126,33 @@ class RecordChecker:
         return self._res
 
 
+def flat_parts(parts: Sequence[memoryview]) -> list[memoryview]:
+    """Flat unsigned-byte views of one record's parts (no copy)."""
+    out = []
+    for p in parts:
+        mv = memoryview(p)
+        out.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
+    return out
+
+
+def scatter(src: memoryview, parts: Sequence[memoryview]) -> None:
+    """Copy `src` over `parts` in order (their lengths add up to `len(src)`)."""
+    off = 0
+    for p in parts:
+        n = len(p)
+        p[:] = src[off : off + n]
+        off += n
+
+
+def gather(parts: Sequence[memoryview], dst: memoryview) -> None:
+    """Copy `parts` one after the other into `dst` (their lengths add up to `len(dst)`)."""
+    off = 0
+    for p in parts:
+        n = len(p)
+        dst[off : off + n] = p
+        off += n
+
+
 def _paired(keys: Sequence[str], other: Sized, what: str) -> bool:
     """Whether a batch has any keys; ValueError when its `what` do not pair up with them."""
     if len(keys) != len(other):
@@ -141,13 +173,16 @@ class StorageBackend(ABC):
       `stats().corrupt_pages` and deleted. The contents of `out[i]` are unspecified when False.
     - `batch_set(keys, values)` stores each record all-or-nothing; returns per key whether it
       is now stored. Setting an existing key again is harmless (records of a key are identical).
+    - `batch_get_parts` / `batch_set_parts` are the same with each record in several buffers
+      (scatter / gather); every backend has them (by default through a temporary per record).
     - A method that cannot do its work raises `StorageError` (`StorageUnavailable` when
       transient): it never returns None or a partial list.
 
     `batch_get` and `batch_set` are template methods: a backend implements the raw `_get_into`
     (or, to check records while it reads, `_get_checked`) and `_set_from`; argument checks,
     validation and the get/set/corrupt counters live here once. (A backend may still override
-    `batch_set` itself and count its own set counters.)
+    `batch_set` itself and count its own set counters.) The parts pair's are `_get_parts_checked`
+    and `_set_parts`, whose defaults go through `_get_checked` and `batch_set`.
     """
 
     name: ClassVar[str] = "abstract"
@@ -164,6 +199,7 @@ class StorageBackend(ABC):
         self._warned_corrupt = False
         # Records whose header names another namespace are rejected when ours is known.
         self._namespace = bytes.fromhex(config.namespace) if config.namespace else b""
+        self._scratch_local = threading.local()  # per thread: `_scratch`'s buffer
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -229,6 +265,94 @@ class StorageBackend(ABC):
             return []
         checked = self._get_checked(keys, out)
         self._check_results(keys, checked, "")
+        return self._tally(keys, checked)
+
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]], *,
+                        accept: HeaderCheck | None = None) -> list[bool]:
+        """`batch_get` of records scattered over several buffers each: `keys[i]`'s record (its
+        128-byte header, then its payload) fills `parts[i]` in order (typically a header
+        buffer, then the regions of a page in a host pool), whose lengths add up to the
+        record's. Per key, whether a valid record was delivered, exactly as `batch_get` answers
+        and counts (misses, corrupt records counted and deleted; never an exception for a
+        backend failure).
+
+        `accept(key, header)`, when given, is asked of every record that passed its checks;
+        an answer other than None makes it corrupt too (counted, deleted, False), and its
+        payload is not delivered (e.g. a page of another format than the caller's).
+
+        When False, the parts' contents are unspecified, as in `batch_get`. This default reads
+        each record into a temporary, checks it and copies it into its parts only when valid
+        and accepted, so its parts are left untouched then; a backend may override
+        `_get_parts_checked` to copy straight into the parts (see its docstring).
+        """
+        if not _paired(keys, parts, "part lists"):
+            return []
+        checked = self._get_parts_checked(keys, [flat_parts(ps) for ps in parts], accept)
+        self._check_results(keys, checked, "._get_parts_checked")
+        return self._tally(keys, checked)
+
+    def batch_set_parts(self, keys: Sequence[str],
+                        parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """`batch_set` of records each gathered from several buffers: `keys[i]`'s record is
+        `parts[i]` one after the other. Answers and counts exactly as `batch_set`."""
+        if not _paired(keys, parts, "part lists"):
+            return []
+        ok = self._set_parts(keys, [flat_parts(ps) for ps in parts])
+        self._check_results(keys, ok, "._set_parts")
+        return ok
+
+    def _get_parts_checked(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]],
+                           accept: HeaderCheck | None) -> list[Checked]:
+        """Read, check and deliver records into their parts (flat byte views). The default
+        reads the batch into temporaries with `_get_checked`, then copies each valid, accepted
+        record into its parts. A backend that copies straight into the parts overrides this;
+        it must check the bytes as they are in the parts (the caller's), and should leave the
+        parts untouched where it can (judge what it can before copying)."""
+        tmp = self._scratch([sum(len(p) for p in ps) for ps in parts])
+        checked = self._get_checked(keys, tmp)
+        self._check_results(keys, checked, "._get_checked")
+        return [self._deliver(key, c, t, ps, accept)
+                for key, c, t, ps in zip(keys, checked, tmp, parts)]
+
+    def _deliver(self, key: str, checked: Checked, record: memoryview,
+                 parts: Sequence[memoryview], accept: HeaderCheck | None) -> Checked:
+        """Copy `record` (read and checked: `checked`) into `parts` when it is valid and
+        `accept` takes it; what the caller is told of it."""
+        if checked.length < 0 or checked.problem is not None:
+            return checked
+        if accept is not None:
+            problem = accept(key, verify_record(record, key, checksum=False))
+            if problem is not None:
+                return Checked(checked.length, problem)
+        scatter(record, parts)
+        return checked
+
+    def _set_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
+                   ) -> list[bool]:
+        """Store records gathered from their parts (flat byte views). The default copies each
+        into a temporary and calls `batch_set`, which counts."""
+        tmp = self._scratch([sum(len(p) for p in ps) for ps in parts])
+        for ps, t in zip(parts, tmp):
+            gather(ps, t)
+        return self.batch_set(keys, tmp)
+
+    def _scratch(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Buffers of `sizes` bytes side by side in this thread's scratch area, reused by its
+        next call (so a batch costs no allocation, and no page faults, once warm)."""
+        need = sum(sizes)
+        buf: bytearray | None = getattr(self._scratch_local, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._scratch_local.buf = bytearray(need)
+        mv = memoryview(buf)
+        out = []
+        off = 0
+        for n in sizes:
+            out.append(mv[off : off + n])
+            off += n
+        return out
+
+    def _tally(self, keys: Sequence[str], checked: Sequence[Checked]) -> list[bool]:
+        """Per key whether a valid record was delivered; count the batch, report the corrupt."""
         ok: list[bool] = []
         bad: list[str] = []
         nbytes = 0

@@ -5,6 +5,9 @@ namespace, key (SHA-256 digest), token count, dtype, layout and shape, the paylo
 checksum over the header fields and the payload, so every truncation, every flipped byte and every
 record stored under the wrong key is detected.
 
+A record may also be held in several buffers (a small header buffer, then a page's regions where
+they lie): `verify_record_parts` and `encode_record_header` check and write it in place.
+
 Versions (the reader accepts both; the writer writes the newest):
 
 - 1: CRC32 (zlib) in the header's last 4 bytes, over header[:124] then the payload. ~2.5 GB/s on
@@ -20,7 +23,7 @@ import functools
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -225,3 +228,90 @@ class PageCodec:
                 f"{self.tokens_per_page}"
             )
         return memoryview(record).cast("B")[HEADER_BYTES:]
+
+
+# -- records held in several buffers (a header buffer, then a page's regions) ------------
+# Both versions end the header with payload_len (u64) and the 8-byte checksum area.
+_LEN_AT = HEADER_BYTES - 16
+
+
+def record_head(parts: Sequence[memoryview]) -> bytes:
+    """The first `HEADER_BYTES` bytes of the record held in `parts` (fewer when it is shorter)."""
+    if parts and len(parts[0]) >= HEADER_BYTES:
+        return bytes(parts[0][:HEADER_BYTES])
+    out = bytearray()
+    for p in parts:
+        out += p[: HEADER_BYTES - len(out)]
+        if len(out) >= HEADER_BYTES:
+            break
+    return bytes(out)
+
+
+def _payload(parts: Sequence[memoryview]) -> Iterator[memoryview]:
+    """The record's bytes after its header, part by part (views, no copy)."""
+    skip = HEADER_BYTES
+    for p in parts:
+        if skip >= len(p):
+            skip -= len(p)
+            continue
+        yield p[skip:] if skip else p
+        skip = 0
+
+
+def verify_record_head(head: bytes, key: str, length: int) -> RecordHeader:
+    """Every check of `verify_record` that needs only a record's first
+    `HEADER_BYTES` bytes (`head`) and its length: magic, version, header length, length, key
+    digest, dtype / layout / rank. Not the checksum. Returns the header or raises
+    `StorageCorrupt`."""
+    if length < HEADER_BYTES or len(head) < HEADER_BYTES:
+        raise StorageCorrupt(f"record of {length} bytes is shorter than its header")
+    payload_len = int.from_bytes(head[_LEN_AT:_SUM_OFFSET], "little")
+    stub = bytearray(head[:HEADER_BYTES])  # the header of a record with no payload
+    stub[_LEN_AT:_SUM_OFFSET] = bytes(8)
+    header = verify_record(memoryview(stub), key, checksum=False)
+    if length != HEADER_BYTES + payload_len:
+        raise StorageCorrupt(f"record is {length} bytes, header says {HEADER_BYTES + payload_len}")
+    return header._replace(payload_len=payload_len)
+
+
+def verify_record_parts(parts: Sequence[memoryview], key: str) -> RecordHeader:
+    """`verify_record` of a record held in `parts` (flat byte views, in order):
+    the same checks, the checksum streamed over the parts where they are (no copy; XXH3
+    releases the GIL). Returns the header or raises `StorageCorrupt`."""
+    head = record_head(parts)
+    header = verify_record_head(head, key, sum(len(p) for p in parts))
+    if header.version == 2:
+        h = xxhash.xxh3_64()
+        h.update(head[:_SUM_OFFSET])
+        for v in _payload(parts):
+            h.update(v)
+        stored, actual = int.from_bytes(head[_SUM_OFFSET:], "little"), h.intdigest()
+    else:
+        crc = zlib.crc32(head[:_CRC_OFFSET])
+        for v in _payload(parts):
+            crc = zlib.crc32(v, crc)
+        stored, actual = int.from_bytes(head[_CRC_OFFSET:], "little"), crc
+    if actual != stored:
+        raise StorageCorrupt(f"checksum mismatch (record v{header.version}: stored {stored:#x}, "
+                             f"computed {actual:#x})")
+    return header
+
+
+def encode_record_header(
+    codec: PageCodec, key: str, payload: Sequence[memoryview], out: memoryview
+) -> None:
+    """Write into `out` (`HEADER_BYTES`) the header `codec.encode(key, ...)` puts before the
+    payload held in `payload` (flat byte views, in order), its checksum streamed over them
+    where they are: `out` followed by the parts is then that record, byte for byte."""
+    n = sum(len(p) for p in payload)
+    if n != codec.payload_bytes:
+        raise ValueError(f"payload is {n} bytes, page format needs {codec.payload_bytes}")
+    if len(out) != HEADER_BYTES:
+        raise ValueError(f"a header is {HEADER_BYTES} bytes, not {len(out)}")
+    head = codec._header(key, n)  # the fields; the checksum area is written here
+    h = xxhash.xxh3_64()
+    h.update(head[:_SUM_OFFSET])
+    for p in payload:
+        h.update(p)
+    out[:_SUM_OFFSET] = head[:_SUM_OFFSET]
+    out[_SUM_OFFSET:] = h.intdigest().to_bytes(8, "little")

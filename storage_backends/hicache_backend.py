@@ -31,37 +31,41 @@ when the server is reachable then, and a logged, counted failure afterwards.
 
 Thread-safe: each call checks a socket out of a small pool, so concurrent prefetch and backup
 threads run their round trips in parallel.
+
+`batch_get_parts` / `batch_set_parts` (records held in several buffers: a header buffer and the
+regions of a page in a host pool) copy each record straight between the server's store and the
+caller's parts on the same host (one copy), and go through a temporary per record otherwise.
+
+Modules: this one (the operations), `hicache_conn` (the pooled connections and the circuit
+breaker), `hicache_shm` (the connection's region), `hicache_store` (the server's store).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
-import zmq
-
-from hicache.backend import Checked, RecordChecker
-from hicache.errors import ConfigError, StorageError, StorageUnavailable
+from hicache.backend import Checked, HeaderCheck, RecordChecker, scatter
+from hicache.codec import HEADER_BYTES, RecordHeader
+from hicache.errors import ConfigError, StorageCorrupt, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
-from storage_backends.common import Backoff, byte_view, check_known_keys, each_key_once, setting
-from storage_backends.hicache_shm import (
-    SHM_REFUSALS,
-    ClientRegion,
-    ShmLost,
-    Unreachable,
-    Wire,
-    shm_get,
-    shm_set,
-    split,
+from storage_backends.common import (
+    byte_view,
+    check_known_keys,
+    each_key_once,
+    setting,
+    verify_head,
+    verify_parts,
 )
-from storage_backends.hicache_shm import Conn as _Conn
+from storage_backends.hicache_conn import Connections
+from storage_backends.hicache_shm import Conn, shm_get, shm_set, split
 from storage_backends.hicache_store import (
     NOT_MAPPED,
     ReserveRefused,
     StoreAccess,
     StoreMap,
+    locate,
     locate_get,
     store_set,
 )
@@ -73,6 +77,7 @@ logger = logging.getLogger(__name__)
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
               "shm", "shm_bytes")
 DEFAULT_URL = "tcp://127.0.0.1:7480"
+_ABSENT = Checked(-1, None)
 
 R = TypeVar("R", bound=P.Reply)
 
@@ -86,7 +91,7 @@ class HiCacheServerBackend(StorageBackend):
         super().__init__(config)
         check_known_keys(config, KNOWN_KEYS, self.name)
         self.url = setting(config, "url", DEFAULT_URL, env="HICACHE_SERVER_URL", cast=str)
-        self._token = setting(config, "auth_token", "", env="HICACHE_SERVER_AUTH_TOKEN", cast=str)
+        token = setting(config, "auth_token", "", env="HICACHE_SERVER_AUTH_TOKEN", cast=str)
         self.timeout_ms = setting(config, "timeout_ms", 2000)
         self.batch_keys = setting(config, "batch_keys", 256)
         self.batch_bytes = setting(config, "batch_bytes", 4 << 20)
@@ -97,23 +102,26 @@ class HiCacheServerBackend(StorageBackend):
             )
         # shm requests are smaller (8 per region) so the two sides' copies overlap.
         self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
-        # Whether new connections offer a region: off by config, or after a server refused one.
-        self.shm_enabled = setting(config, "shm", True)
-        # The server's shared-memory store, mapped on first use (`hicache_store`).
-        self.arena = StoreAccess(self.shm_enabled)
+        shm = setting(config, "shm", True)
         if setting(config, "tune_malloc", True):
             tune_malloc()
-        self._ctx = zmq.Context(io_threads=1)
-        self._pool: list[_Conn] = []
-        self._pool_lock = threading.Lock()
-        self._wire = Wire(self.url, self._token, self.timeout_ms)
-        self._closed = False
+        self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
+                                 shm_bytes=self.shm_bytes)
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
-        self._backoff = Backoff(f"hicache-server {self.url}", initial_s=0.05, max_s=2.0)
         self._probe()
 
-    # -- connection -------------------------------------------------------------------------
+    @property
+    def arena(self) -> StoreAccess:
+        """The server's store as this client uses it (mapping, counters)."""
+        return self.conns.arena
+
+    @property
+    def shm_enabled(self) -> bool:
+        """Whether new connections offer a region (off by config, or after a refusal)."""
+        return self.conns.shm_enabled
+
+    # -- round trips ------------------------------------------------------------------------
 
     def _probe(self) -> None:
         """Ping once: learn the frame limit, refuse a wrong token early. A server that is not
@@ -134,128 +142,6 @@ class HiCacheServerBackend(StorageBackend):
             pong.protocol_version,
         )
 
-    def _checkout(self) -> _Conn:
-        with self._pool_lock:
-            if self._closed:
-                raise StorageUnavailable("hicache backend is closed")
-            if self._pool:
-                return self._pool.pop()
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-        s.setsockopt(zmq.RECONNECT_IVL, 50)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        s.connect(self.url)
-        conn = _Conn(s, self._wire)
-        if self.shm_enabled:
-            try:
-                self._attach(conn)
-            except BaseException:
-                conn.close()
-                raise
-        return conn
-
-    def _attach(self, conn: _Conn) -> None:
-        """Offer the server a new region for `conn`; on a refusal, stay on TCP (log once)."""
-        try:
-            region = ClientRegion(self.shm_bytes)
-        except OSError as e:
-            self._no_shm(f"cannot create a region in /dev/shm: {e}")
-            return
-        try:
-            reply = conn.exchange([P.AttachShmRequest(name=region.name,
-                                                                   size=region.size)])[0]
-        except BaseException:
-            region.close()
-            raise
-        region.unlink()  # attached or not, the name is no longer needed: nothing is left behind
-        if isinstance(reply, P.AttachShmReply):
-            conn.region = region
-            return
-        region.close()
-        if not isinstance(reply, P.ErrorReply):
-            raise StorageError(f"{self.url} answered {reply.TYPE} to attach_shm")
-        if reply.code not in SHM_REFUSALS:  # e.g. a wrong token: refused like any request
-            raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
-        self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
-
-    def _store_map(self, conn: _Conn) -> StoreMap | None:
-        """The server's store, when this connection has a region (the same host)."""
-        if conn.region is None:
-            return None
-        return self.arena.mapped(lambda req: conn.exchange([req])[0])
-
-    def _store_set(self, conn: _Conn, store: StoreMap, keys: Sequence[str],
-                   views: Sequence[memoryview], idx: list[int], ok: list[bool]) -> list[int]:
-        """Write records `idx` into slots of the server's store (one copy); those left over."""
-        try:
-            got = store_set(conn.exchange, store, conn.slots, [keys[i] for i in idx],
-                            [views[i] for i in idx], self.batch_keys)
-        except ReserveRefused as e:
-            self.arena.refused_writes(str(e))
-            return idx
-        rest = [i for i, r in zip(idx, got) if r is None]
-        for i, r in zip(idx, got):
-            ok[i] = r is True
-        self.arena.count(writes=len(idx) - len(rest), write_fallbacks=len(rest))
-        return rest
-
-    def _no_shm(self, why: str) -> None:
-        if self.shm_enabled:
-            self.shm_enabled = False
-            logger.info("hicache backend: shared memory off, pages go over TCP: %s", why)
-
-    def _release(self, conn: _Conn, healthy: bool) -> None:
-        with self._pool_lock:
-            if healthy and not self._closed:
-                self._pool.append(conn)
-                return
-        conn.close()
-
-    def _drop_pool(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, []
-        for conn in pool:
-            conn.close()
-
-    def _session(self, work: Callable[[_Conn], list[P.Reply]]) -> list[P.Reply]:
-        """Run `work` on one pooled connection under the circuit breaker. Raises
-        `StorageUnavailable` (no answer in time; the connection is dropped), `ShmLost` or
-        whatever `work` raises (the server answered: the breaker is closed)."""
-        self._backoff.check()
-        healthy = False
-        conn: _Conn | None = None
-        try:
-            conn = self._checkout()
-            replies = work(conn)
-            healthy = True
-        except Unreachable as e:
-            self._backoff.failure(e)
-            raise StorageUnavailable(str(e)) from e
-        except BaseException:
-            self._backoff.success()  # the server answered; only the request was wrong
-            raise
-        finally:
-            if conn is not None:
-                self._release(conn, healthy)
-        self._backoff.success()
-        return replies
-
-    def _shm_op(self, work: Callable[[_Conn], list[P.Reply]]) -> list[P.Reply]:
-        """`_session(work)`, once more on fresh connections when the server had lost the
-        region (a restarted server: every pooled connection is stale, so all are dropped)."""
-        try:
-            return self._session(work)
-        except ShmLost as e:
-            logger.info("hicache backend: the server lost our shm region (%s); attaching again", e)
-            self.arena.map = None  # a restarted server has a new store (the old mapping is
-            # unmapped when the last reader lets it go)
-            self._drop_pool()
-        try:
-            return self._session(work)
-        except ShmLost as e:
-            raise StorageError(f"the server lost the shm region again: {e}") from e
-
     def _call(
         self,
         reqs: Sequence[P.Request],
@@ -264,7 +150,7 @@ class HiCacheServerBackend(StorageBackend):
     ) -> list[R]:
         """Round trip under the circuit breaker. Raises `StorageUnavailable` (transient) or
         `StorageError` (an error reply: wrong token, a request the server refused)."""
-        replies = self._session(lambda c: c.exchange(reqs, on_reply))
+        replies = self.conns.session(lambda c: c.exchange(reqs, on_reply))
         return self._expect(replies, reqs, kind)
 
     def _expect(self, replies: list[P.Reply], reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
@@ -329,7 +215,10 @@ class HiCacheServerBackend(StorageBackend):
         keys: Sequence[str],
         out: Sequence[memoryview],
         landed: Callable[[int, int], None] | None = None,
+        in_place: bool = True,
     ) -> list[int]:
+        """Raw read (`StorageBackend._get_into`): from the server's store in place when mapped
+        (unless `in_place` is False), then through the region, then as TCP frames."""
         if len(set(keys)) != len(keys):  # the server refuses repeated keys: ask for each once
             return each_key_once(keys, out, self._get_into)
         views = [byte_view(o) for o in out]
@@ -351,10 +240,10 @@ class HiCacheServerBackend(StorageBackend):
                         dst[:] = src
             r.frames = []  # release the received buffers now
 
-        def work(conn: _Conn) -> list[P.Reply]:
+        def work(conn: Conn) -> list[P.Reply]:
             exchange = conn.exchange
             idx = list(range(len(keys)))
-            store = self._store_map(conn)
+            store = self.conns.store_map(conn) if in_place else None
             if store is not None:  # in place from the server's arena; the rest another way
                 res[:] = locate_get(exchange, store, keys, views, self.batch_keys, landed)
                 idx = [i for i, n in enumerate(res) if n == NOT_MAPPED]
@@ -375,7 +264,7 @@ class HiCacheServerBackend(StorageBackend):
             return exchange(reqs, copy_out)
 
         try:
-            replies = self._shm_op(work)
+            replies = self.conns.shm_op(work)
             if chunks:  # the TCP path ran
                 gets = self._expect(replies, [P.GetRequest()], P.GetReply)
                 if [len(r.lengths) for r in gets] != [len(c) for c in chunks]:
@@ -385,32 +274,114 @@ class HiCacheServerBackend(StorageBackend):
             return [-1] * len(keys)
         return res
 
+    def _get_parts_checked(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]],
+                           accept: HeaderCheck | None) -> list[Checked]:
+        """Records in the server's store go straight into their parts: each record's header is
+        judged where it lies first (so a record of another key, namespace or format, or of the
+        wrong length, is never copied), then the record is copied into its parts and checked
+        there, whole, checksum included; a generation that changed during either copy sends the
+        record the other way. The rest (not in the store, moved, no store here, a batch naming
+        a key twice) go through temporaries (`StorageBackend._get_parts_checked`), so their
+        parts are written only with a valid, accepted record."""
+        if len(set(keys)) != len(keys) or not self.arena.wanted:
+            return super()._get_parts_checked(keys, parts, accept)
+        sizes = [sum(len(p) for p in ps) for ps in parts]
+        res: list[Checked | None] = [None] * len(keys)  # None: read another way
+        located: list[bool] = []  # whether the store was asked
+
+        def work(conn: Conn) -> list[P.Reply]:
+            store = self.conns.store_map(conn)
+            if store is None:
+                return []
+            located.append(True)
+
+            def take(i: int, off: int, n: int, gen: int) -> None:
+                if n < 0:
+                    res[i] = _ABSENT
+                elif n != sizes[i]:  # nothing copied
+                    res[i] = Checked(n, f"stored record is {n} bytes, expected {sizes[i]}")
+                elif off >= 0:
+                    res[i] = self._copy_parts(store, keys[i], parts[i], off, n, gen, accept)
+
+            locate(conn.exchange, store, keys, self.batch_keys, take)
+            return []
+
+        try:
+            self.conns.shm_op(work)
+        except StorageError as e:
+            self._degraded("get", e)
+            return [_ABSENT] * len(keys)
+        rest = [i for i, c in enumerate(res) if c is None]
+        if located:
+            self.arena.count(reads=len(keys) - len(rest), fallbacks=len(rest))
+        if rest:  # through the region or TCP into temporaries, checked, then into the parts
+            tmp = self._scratch([sizes[i] for i in rest])
+            sub = [keys[i] for i in rest]
+            lengths = self._get_into(sub, tmp, in_place=False)
+            for i, key, n, t in zip(rest, sub, lengths, tmp):
+                c = Checked(n, self.check_record(key, n, t)) if n >= 0 else _ABSENT
+                res[i] = self._deliver(key, c, t, parts[i], accept)
+        return [c if c is not None else _ABSENT for c in res]
+
+    def _copy_parts(self, store: StoreMap, key: str, parts: Sequence[memoryview], off: int,
+                    n: int, gen: int, accept: HeaderCheck | None) -> Checked | None:
+        """Record `key` (`n` bytes at `off`, generation `gen`) from the store into `parts`,
+        judged and checked (`_get_parts_checked`); None when it must be read another way."""
+        src = store.view(off, n, gen)
+        if src is None:
+            return None
+        problem = self._judge(key, lambda: verify_head(bytes(src[:HEADER_BYTES]), key, n), accept)
+        if not store.current(off, gen):
+            return None  # the header changed under us: that verdict is void
+        if problem is not None:
+            return Checked(n, problem)  # the parts are untouched
+        scatter(src, parts)
+        if not store.current(off, gen):
+            return None  # freed during the copy: the parts hold part of it, unchecked
+        return Checked(n, self._judge(key, lambda: verify_parts(parts, key), accept))
+
+    def _judge(self, key: str, verify: Callable[[], RecordHeader],
+               accept: HeaderCheck | None) -> str | None:
+        """Why the record `verify` checks is not wanted (corrupt, another namespace, refused by
+        `accept`), or None."""
+        try:
+            header = verify()
+        except StorageCorrupt as e:
+            return str(e)
+        if self._namespace and header.namespace != self._namespace:
+            return "record is from another namespace"
+        return accept(key, header) if accept is not None else None
+
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return []
-        views = [byte_view(v) for v in values]
+        return self._set_parts(keys, [(byte_view(v),) for v in values])
+
+    def _set_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
+                   ) -> list[bool]:
+        """Store records held in parts (one part each for `batch_set`): straight into slots
+        of the server's store (one copy), else through the region (one copy there), else as
+        TCP frames (a record of several parts is joined into one frame first)."""
+        sizes = [sum(len(p) for p in ps) for ps in parts]
         # A record over the server's frame limit is not sent.
-        send = [i for i, v in enumerate(views)
-                if not self.max_frame_bytes or len(v) <= self.max_frame_bytes]
+        send = [i for i, n in enumerate(sizes) if not self.max_frame_bytes
+                or n <= self.max_frame_bytes]
         ok = [False] * len(keys)
         index: list[list[int]] = []
 
-        def work(conn: _Conn) -> list[P.Reply]:
+        def work(conn: Conn) -> list[P.Reply]:
             idx = send
-            store = self._store_map(conn) if self.arena.writes_wanted else None
+            store = self.conns.store_map(conn) if self.arena.writes_wanted else None
             if store is not None:  # straight into the server's arena; the rest another way
-                idx = self._store_set(conn, store, keys, views, idx, ok)
+                idx = self._store_set(conn, store, keys, parts, idx, ok)
                 if not idx:
                     return []
             region = conn.region
-            if region is not None and max(len(views[i]) for i in idx) <= region.size:
-                got = shm_set(
-                    conn.exchange,
-                    region, [keys[i] for i in idx], [views[i] for i in idx],
-                    self.batch_keys, self._shm_request_bytes,
-                )
+            if region is not None and max(sizes[i] for i in idx) <= region.size:
+                got = shm_set(conn.exchange, region, [keys[i] for i in idx],
+                              [parts[i] for i in idx], self.batch_keys, self._shm_request_bytes)
                 for i, stored in zip(idx, got):
                     ok[i] = stored
                 return []
@@ -419,29 +390,45 @@ class HiCacheServerBackend(StorageBackend):
             index.clear()
             size = 0
             for i in idx:
-                k, v = keys[i], views[i]
-                if not reqs or len(index[-1]) >= self.batch_keys or size + len(v) > self.batch_bytes:
+                if not reqs or len(index[-1]) >= self.batch_keys \
+                        or size + sizes[i] > self.batch_bytes:
                     reqs.append(P.SetRequest())
                     index.append([])
                     size = 0
-                reqs[-1].keys.append(k)
-                reqs[-1].frames.append(v)
+                reqs[-1].keys.append(keys[i])
+                reqs[-1].frames.append(parts[i][0] if len(parts[i]) == 1 else b"".join(parts[i]))
                 index[-1].append(i)
-                size += len(v)
+                size += sizes[i]
             return conn.exchange(reqs)
 
         if send:
             try:
-                replies = self._expect(self._shm_op(work), [P.SetRequest()], P.SetReply)
+                replies = self._expect(self.conns.shm_op(work), [P.SetRequest()], P.SetReply)
             except StorageError as e:
                 self._degraded("set", e)
                 replies = []
             for idx, r in zip(index, replies):
                 for i, stored in zip(idx, r.stored):
                     ok[i] = stored
-        written = sum(len(v) for v, o in zip(views, ok) if o)
+        written = sum(n for n, o in zip(sizes, ok) if o)
         self._count(set_pages=len(keys), set_failures=ok.count(False), bytes_written=written)
         return ok
+
+    def _store_set(self, conn: Conn, store: StoreMap, keys: Sequence[str],
+                   parts: Sequence[Sequence[memoryview]], idx: list[int],
+                   ok: list[bool]) -> list[int]:
+        """Write records `idx` into slots of the server's store (one copy); those left over."""
+        try:
+            got = store_set(conn.exchange, store, conn.slots, [keys[i] for i in idx],
+                            [parts[i] for i in idx], self.batch_keys)
+        except ReserveRefused as e:
+            self.arena.refused_writes(str(e))
+            return idx
+        rest = [i for i, r in zip(idx, got) if r is None]
+        for i, r in zip(idx, got):
+            ok[i] = r is True
+        self.arena.count(writes=len(idx) - len(rest), write_fallbacks=len(rest))
+        return rest
 
     def delete(self, keys: Sequence[str]) -> None:
         if not keys:
@@ -477,7 +464,7 @@ class HiCacheServerBackend(StorageBackend):
         """Counters of this client; `stored_pages` / `stored_bytes` are the server's (memory
         tier) when it answers, -1 when it does not."""
         pages = nbytes = -1
-        if not self._closed and not self._backoff.down:
+        if not self.conns.closed and not self.conns.backoff.down:
             try:
                 s = self.server_stats()
                 pages, nbytes = s.get("pages", -1), s.get("bytes", -1)
@@ -487,14 +474,4 @@ class HiCacheServerBackend(StorageBackend):
         return super().stats()
 
     def close(self) -> None:
-        with self._pool_lock:
-            if self._closed:
-                return
-            self._closed = True
-            pool, self._pool = self._pool, []
-            self.arena.map = None
-        for conn in pool:
-            if conn.region is not None and not self._backoff.down:
-                conn.detach(min(self.timeout_ms, 1000))
-            conn.close()
-        self._ctx.destroy(linger=0)
+        self.conns.close()

@@ -243,24 +243,29 @@ def shm_set(
     exchange: Exchange,
     region: ClientRegion,
     keys: Sequence[str],
-    views: Sequence[memoryview],
+    records: Sequence[Sequence[memoryview]],
     batch_keys: int,
     batch_bytes: int,
 ) -> list[bool]:
-    """Store `views[i]` (flat byte views, each <= the region) under `keys[i]` through the
-    region; per key, whether the server stored it."""
+    """Store `records[i]` (a record's parts as flat byte views, one after the other; each
+    record <= the region) under `keys[i]` through the region; per key, whether the server
+    stored it."""
     ok = [False] * len(keys)
     buf = region.buf
 
     def requests(rnd: list[Chunk]) -> Iterator[P.Request]:
         for c in rnd:  # each request goes out as soon as its records are in the region
-            for i, off, n in zip(c.idx, c.offsets, c.sizes):
-                buf[off : off + n] = views[i]
+            for i, off in zip(c.idx, c.offsets):
+                for part in records[i]:
+                    n = len(part)
+                    buf[off : off + n] = part
+                    off += n
             yield P.ShmSetRequest(
                 keys=[keys[i] for i in c.idx], offsets=c.offsets, lengths=c.sizes
             )
 
-    for rnd in plan([len(v) for v in views], batch_keys, batch_bytes, region.size):
+    sizes = [sum(len(part) for part in parts) for parts in records]
+    for rnd in plan(sizes, batch_keys, batch_bytes, region.size):
         for c, r in zip(rnd, exchange(requests(rnd), None)):
             checked(r, P.SetReply, len(c.idx))
             assert isinstance(r, P.SetReply)

@@ -89,14 +89,35 @@ class StoreMap:
         dst[:] = self.buf[offset : offset + length]
         return bool(self._gens[block] == gen)
 
-    def write(self, offset: int, gen: int, src: memoryview) -> bool:
-        """Copy `src` into the slot reserved at `offset` with generation `gen`; False (nothing
-        written) when the descriptor is outside the data or the slot is no longer that one
-        (its reservation expired and the blocks may hold another record)."""
-        block = self._block(offset, len(src))
+    def view(self, offset: int, length: int, gen: int) -> memoryview | None:
+        """The record at `offset` where it lies in the mapping, or None when the descriptor is
+        outside the data or the record is no longer that one. Its bytes are the record's only
+        while `current(offset, gen)` holds: copy them out, then ask."""
+        block = self._block(offset, length)
+        if block < 0 or self._gens[block] != gen:
+            return None
+        return self.buf[offset : offset + length]
+
+    def current(self, offset: int, gen: int) -> bool:
+        """Whether the record at `offset` (a place `view` accepted) still has generation `gen`:
+        it was not freed since (so not overwritten by another record)."""
+        return bool(self._gens[(offset - self.data_start) // BLOCK] == gen)
+
+    def write(self, offset: int, gen: int, src: memoryview | Sequence[memoryview]) -> bool:
+        """Copy `src` (one buffer, or a record's parts one after the other) into the slot
+        reserved at `offset` with generation `gen`; False (nothing written) when the descriptor
+        is outside the data or the slot is no longer that one (its reservation expired and the
+        blocks may hold another record)."""
+        parts = (src,) if isinstance(src, memoryview) else src
+        length = sum(len(p) for p in parts)
+        block = self._block(offset, length)
         if block < 0 or self._gens[block] != gen:
             return False
-        self.buf[offset : offset + len(src)] = src
+        buf = self.buf
+        for p in parts:
+            n = len(p)
+            buf[offset : offset + n] = p
+            offset += n
         return True
 
     def close(self) -> None:
@@ -123,12 +144,13 @@ def store_set(
     store: StoreMap,
     slots: dict[int, list[tuple[int, int, float]]],
     keys: Sequence[str],
-    views: Sequence[memoryview],
+    records: Sequence[Sequence[memoryview]],
     batch_keys: int,
 ) -> list[bool | None]:
-    """Write `views[i]` straight into slots of the server's arena reserved for this
-    connection, then have the server store them (one copy, made here): per key whether stored,
-    None when no slot could be had (the caller sends that record another way).
+    """Write `records[i]` (a record's parts, one after the other) straight into slots of the
+    server's arena reserved for this connection, then have the server store them (one copy,
+    made here): per key whether stored, None when no slot could be had (the caller sends that
+    record another way).
 
     `slots` is the connection's stock of reservations by record length: (offset, generation,
     use-by time). A record takes one of its length; those lacking one are reserved first (a
@@ -137,10 +159,11 @@ def store_set(
     mapped, `ReserveRefused` when the server does not know `shm_reserve`."""
     now = time.monotonic()
     res: list[bool | None] = [None] * len(keys)
-    picks = [_take_slot(slots, len(v), now) for v in views]
+    sizes = [sum(len(p) for p in parts) for parts in records]
+    picks = [_take_slot(slots, n, now) for n in sizes]
     missing = [i for i, p in enumerate(picks) if p is None]
     if missing:
-        lengths = [len(views[i]) for i in missing]
+        lengths = [sizes[i] for i in missing]
         r = exchange([P.ShmReserveRequest(arena_id=store.id, lengths=lengths)], None)[0]
         if isinstance(r, P.ErrorReply) and r.code in (P.ErrorCode.UNKNOWN_TYPE,
                                                        P.ErrorCode.BAD_VERSION):
@@ -153,11 +176,11 @@ def store_set(
     idx: list[int] = []  # records written, and where
     offsets: list[int] = []
     for i, p in enumerate(picks):
-        if p is not None and store.write(p[0], p[1], views[i]):
+        if p is not None and store.write(p[0], p[1], records[i]):
             idx.append(i)
             offsets.append(p[0])
     chunks = split(len(idx), None, batch_keys, 0)
-    again = [[len(views[idx[j]]) for j in c] for c in chunks]
+    again = [[sizes[idx[j]] for j in c] for c in chunks]
     reqs = [P.ShmCommitRequest(arena_id=store.id, keys=[keys[idx[j]] for j in c],
                                offsets=[offsets[j] for j in c], reserve=n)
             for c, n in zip(chunks, again)]
@@ -188,6 +211,32 @@ def _take_slot(
     return None
 
 
+def locate(
+    exchange: Exchange,
+    store: StoreMap,
+    keys: Sequence[str],
+    batch_keys: int,
+    take: Callable[[int, int, int, int], None],
+) -> None:
+    """Ask the server where `keys` are in its arena (`shm_locate`, pipelined); as each reply
+    arrives, `take(i, offset, length, gen)` per key (length -1: absent; offset -1: present but
+    not in the arena). Raises `ShmLost` when the server's arena is not the one mapped (it
+    restarted)."""
+    chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
+
+    def located(i_req: int, r: P.Reply) -> None:
+        c = chunks[i_req]
+        checked(r, P.ShmLocateReply, len(c))
+        assert isinstance(r, P.ShmLocateReply)
+        if r.arena_id != store.id:
+            raise ShmLost("the server's store is not the one mapped")
+        for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
+            take(i, off, n, gen)
+
+    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
+             located)
+
+
 def locate_get(
     exchange: Exchange,
     store: StoreMap,
@@ -201,26 +250,18 @@ def locate_get(
     check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
     one mapped (it restarted)."""
     res = [-1] * len(keys)
-    chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
 
-    def copy(i_req: int, r: P.Reply) -> None:
-        c = chunks[i_req]
-        checked(r, P.ShmLocateReply, len(c))
-        assert isinstance(r, P.ShmLocateReply)
-        if r.arena_id != store.id:
-            raise ShmLost("the server's store is not the one mapped")
-        for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
-            if n < 0:
-                res[i] = -1
-            elif n != len(out[i]):
-                res[i] = n  # the caller sees the wrong length: a miss, nothing copied
-            else:
-                res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
-                if landed is not None and res[i] == n:
-                    landed(i, n)
+    def take(i: int, off: int, n: int, gen: int) -> None:
+        if n < 0:
+            res[i] = -1
+        elif n != len(out[i]):
+            res[i] = n  # the caller sees the wrong length: a miss, nothing copied
+        else:
+            res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
+            if landed is not None and res[i] == n:
+                landed(i, n)
 
-    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
-             copy)
+    locate(exchange, store, keys, batch_keys, take)
     return res
 
 

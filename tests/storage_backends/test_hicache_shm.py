@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from storage_backends import hicache_backend
+from storage_backends import hicache_conn
 from storage_backends.hicache_shm import ClientRegion, plan
 from storage_backends.server import protocol as P
 from tests.procs import free_port
@@ -138,7 +138,7 @@ def test_server_with_no_shm_refuses_and_the_client_falls_back(
 ) -> None:
     keys, recs = _pages("noshm", 4)
     with hicache_server(tmp_path, args=["--no-shm"]) as srv:
-        with caplog.at_level(logging.INFO, logger="storage_backends.hicache_backend"):
+        with caplog.at_level(logging.INFO, logger="storage_backends.hicache_conn"):
             b = srv.client()
         assert b.shm_enabled is False
         assert sum("shared memory off" in r.message for r in caplog.records) == 1
@@ -167,7 +167,7 @@ class _WorldReadableRegion(ClientRegion):
 def test_region_the_server_cannot_open_falls_back_to_tcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, region_cls: type[ClientRegion]
 ) -> None:
-    monkeypatch.setattr(hicache_backend, "ClientRegion", region_cls)
+    monkeypatch.setattr(hicache_conn, "ClientRegion", region_cls)
     keys, recs = _pages("fallback", 4)
     with hicache_server(tmp_path) as srv:
         b = srv.client()

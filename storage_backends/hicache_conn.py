@@ -1,0 +1,169 @@
+"""The `hicache` client's connections: pooled DEALER sockets, each with its shared-memory region
+(`hicache_shm`), the server's store mapped once (`hicache_store`), and the circuit breaker every
+round trip runs under. `HiCacheServerBackend` (`hicache_backend`) does its work through one
+`Connections`; the data paths themselves live in `hicache_shm` and `hicache_store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from hicache.errors import StorageError, StorageUnavailable
+from storage_backends.common import Backoff
+from storage_backends.hicache_shm import (
+    SHM_REFUSALS,
+    ClientRegion,
+    Conn,
+    ShmLost,
+    Unreachable,
+    Wire,
+)
+from storage_backends.hicache_store import StoreAccess, StoreMap
+from storage_backends.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+class Connections:
+    """A small pool of connections to one server. Thread-safe: each round trip checks a
+    connection out, so concurrent prefetch and backup threads run theirs in parallel."""
+
+    def __init__(self, url: str, token: str, timeout_ms: int, *, shm: bool,
+                 shm_bytes: int) -> None:
+        self.url = url
+        self.timeout_ms = timeout_ms
+        self.shm_bytes = shm_bytes
+        # Whether new connections offer a region: off by config, or after a server refused one.
+        self.shm_enabled = shm
+        # The server's shared-memory store, mapped on first use (`hicache_store`).
+        self.arena = StoreAccess(shm)
+        self.backoff = Backoff(f"hicache-server {url}", initial_s=0.05, max_s=2.0)
+        self.closed = False
+        self._ctx = zmq.Context(io_threads=1)
+        self._pool: list[Conn] = []
+        self._lock = threading.Lock()
+        self._wire = Wire(url, token, timeout_ms)
+
+    def _checkout(self) -> Conn:
+        with self._lock:
+            if self.closed:
+                raise StorageUnavailable("hicache backend is closed")
+            if self._pool:
+                return self._pool.pop()
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        s.setsockopt(zmq.RECONNECT_IVL, 50)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.connect(self.url)
+        conn = Conn(s, self._wire)
+        if self.shm_enabled:
+            try:
+                self._attach(conn)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
+    def _attach(self, conn: Conn) -> None:
+        """Offer the server a new region for `conn`; on a refusal, stay on TCP (log once)."""
+        try:
+            region = ClientRegion(self.shm_bytes)
+        except OSError as e:
+            self._no_shm(f"cannot create a region in /dev/shm: {e}")
+            return
+        try:
+            reply = conn.exchange([P.AttachShmRequest(name=region.name, size=region.size)])[0]
+        except BaseException:
+            region.close()
+            raise
+        region.unlink()  # attached or not, the name is no longer needed: nothing is left behind
+        if isinstance(reply, P.AttachShmReply):
+            conn.region = region
+            return
+        region.close()
+        if not isinstance(reply, P.ErrorReply):
+            raise StorageError(f"{self.url} answered {reply.TYPE} to attach_shm")
+        if reply.code not in SHM_REFUSALS:  # e.g. a wrong token: refused like any request
+            raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
+        self._no_shm(f"the server refused the region ({reply.code}: {reply.message})")
+
+    def store_map(self, conn: Conn) -> StoreMap | None:
+        """The server's store, when this connection has a region (the same host)."""
+        if conn.region is None:
+            return None
+        return self.arena.mapped(lambda req: conn.exchange([req])[0])
+
+    def _no_shm(self, why: str) -> None:
+        if self.shm_enabled:
+            self.shm_enabled = False
+            logger.info("hicache backend: shared memory off, pages go over TCP: %s", why)
+
+    def _release(self, conn: Conn, healthy: bool) -> None:
+        with self._lock:
+            if healthy and not self.closed:
+                self._pool.append(conn)
+                return
+        conn.close()
+
+    def _drop_pool(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, []
+        for conn in pool:
+            conn.close()
+
+    def session(self, work: Callable[[Conn], list[P.Reply]]) -> list[P.Reply]:
+        """Run `work` on one pooled connection under the circuit breaker. Raises
+        `StorageUnavailable` (no answer in time; the connection is dropped), `ShmLost` or
+        whatever `work` raises (the server answered: the breaker is closed)."""
+        self.backoff.check()
+        healthy = False
+        conn: Conn | None = None
+        try:
+            conn = self._checkout()
+            replies = work(conn)
+            healthy = True
+        except Unreachable as e:
+            self.backoff.failure(e)
+            raise StorageUnavailable(str(e)) from e
+        except BaseException:
+            self.backoff.success()  # the server answered; only the request was wrong
+            raise
+        finally:
+            if conn is not None:
+                self._release(conn, healthy)
+        self.backoff.success()
+        return replies
+
+    def shm_op(self, work: Callable[[Conn], list[P.Reply]]) -> list[P.Reply]:
+        """`session(work)`, once more on fresh connections when the server had lost the region
+        (a restarted server: every pooled connection is stale, so all are dropped)."""
+        try:
+            return self.session(work)
+        except ShmLost as e:
+            logger.info("hicache backend: the server lost our shm region (%s); attaching again", e)
+            self.arena.map = None  # a restarted server has a new store (the old mapping is
+            # unmapped when the last reader lets it go)
+            self._drop_pool()
+        try:
+            return self.session(work)
+        except ShmLost as e:
+            raise StorageError(f"the server lost the shm region again: {e}") from e
+
+    def close(self) -> None:
+        """Detach every region (best effort, unless the server is known down), close. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            pool, self._pool = self._pool, []
+            self.arena.map = None
+        for conn in pool:
+            if conn.region is not None and not self.backoff.down:
+                conn.detach(min(self.timeout_ms, 1000))
+            conn.close()
+        self._ctx.destroy(linger=0)
