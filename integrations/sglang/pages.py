@@ -9,7 +9,10 @@ and written in place, never through a temporary tensor.
 One record per page (`hicache.codec.PageCodec`: a 128-byte header, then the payload). The
 payload is the page's regions in address order, which is the byte order of SGLang's flat page
 (`get_data_page(index, flat=True)`) for every layout whose page the pool can flatten: the v0
-tensor API and the v1 zero-copy API write and read the same records.
+tensor API and the v1 zero-copy API write and read the same records. A record is never
+assembled here: its header lives in a small per-thread buffer (`heads`) and the client moves
+[header, region 1, ..., region k] as the parts of one record (`batch_get_parts` /
+`batch_set_parts`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any
 
 import torch
 
-from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec
+from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec, RecordHeader
 from hicache.errors import ConfigError
+from storage_backends.common import encode_header
 
 # Host tensors a pool may keep its pages in (others are views of these, or hold no pages).
 _BUFFER_ATTRS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
@@ -48,8 +52,8 @@ class _Buffer:
 class HostPages:
     """Byte views of one host pool's pages and the codec of their records (after `bind`).
 
-    Thread-safe: SGLang's prefetch and backup threads use it at once (each thread stages its
-    records in its own buffer).
+    Thread-safe: SGLang's prefetch and backup threads use it at once (each thread keeps its
+    records' headers in its own buffer).
     """
 
     def __init__(self, pool: Any) -> None:
@@ -131,40 +135,31 @@ class HostPages:
 
     # -- records -----------------------------------------------------------------------------
 
-    def stage(self, n: int) -> list[memoryview]:
-        """`n` record-sized buffers of this thread's staging area (reused by its next call)."""
-        need = n * self.record_bytes
-        buf: bytearray | None = getattr(self._local, "buf", None)
+    def heads(self, n: int) -> list[memoryview]:
+        """`n` header-sized buffers of this thread's header area (reused by its next call)."""
+        need = n * HEADER_BYTES
+        buf: bytearray | None = getattr(self._local, "heads", None)
         if buf is None or len(buf) < need:
-            buf = self._local.buf = bytearray(need)
+            buf = self._local.heads = bytearray(need)
         mv = memoryview(buf)
-        rb = self.record_bytes
-        return [mv[i * rb : (i + 1) * rb] for i in range(n)]
+        return [mv[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(n)]
 
-    def encode(self, key: str, parts: Sequence[memoryview], out: memoryview) -> None:
-        """The record of page `key` whose payload is `parts` (concatenated) into `out`."""
-        payload = out[HEADER_BYTES:]
-        off = 0
-        for p in parts:
-            payload[off : off + len(p)] = p
-            off += len(p)
-        if off != self.payload_bytes:
-            raise ValueError(f"page payload is {off} bytes, not {self.payload_bytes}")
-        # The payload is in place already: encode_into's copy of it onto itself is a no-op
-        # memmove (measured ~5 us per MiB), cheaper than a second buffer.
-        self._codec().encode_into(key, payload, out)
+    def seal(self, key: str, payload: Sequence[memoryview], head: memoryview) -> None:
+        """Write into `head` the header of page `key`'s record whose payload is `payload` (the
+        page's regions, in order; the checksum is computed over them where they are)."""
+        encode_header(self._codec(), key, payload, head)
 
-    def decode(self, key: str, record: memoryview) -> memoryview:
-        """The payload of a record `StorageBackend.batch_get` has checked (checksum, key,
-        namespace); raises `StorageCorrupt` when it is a page of another format."""
-        return self._codec().decode(record, key, checksum=False)
-
-    def scatter(self, payload: memoryview, parts: Sequence[memoryview]) -> None:
-        """Copy a page payload into its regions."""
-        off = 0
-        for p in parts:
-            p[:] = payload[off : off + len(p)]
-            off += len(p)
+    def accept(self, key: str, header: RecordHeader) -> str | None:
+        """Why a record that passed the client's checks (length, magic, key, namespace,
+        checksum) is still not a page of this pool's format, or None (`batch_get_parts`'s
+        `accept`: such a record is a counted corrupt miss, never copied into the pool)."""
+        c = self._codec()
+        got = (header.dtype, header.layout, header.shape, header.token_count)
+        want = (c.dtype, c.layout, c.shape, c.tokens_per_page)
+        if got != want:
+            return (f"record format {'/'.join(map(str, got))} does not match "
+                    f"{'/'.join(map(str, want))}")
+        return None
 
 
 def _host_buffers(pool: Any) -> list[_Buffer]:

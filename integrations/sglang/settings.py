@@ -35,7 +35,8 @@ class PluginSettings:
     client: dict[str, Any]  # for HiCacheServerBackend(StorageConfig(extra=client))
     model_id: str  # names the model in the namespace; "" = SGLang's model_name
     namespace_salt: str  # any other discriminator (a deployment, a tenant)
-    stage_bytes: int  # most record bytes staged per round trip (a batch is cut in parts)
+    stage_bytes: int  # most record bytes per client call (a batch is cut in parts; bounds the
+    # temporaries of the client's region / TCP paths)
     interface_v1: bool  # whether SGLang will call the zero-copy v1 methods
 
 

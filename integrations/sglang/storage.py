@@ -25,7 +25,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from hicache.backend import StorageConfig
-from hicache.errors import ConfigError, StorageCorrupt
+from hicache.errors import ConfigError
 from integrations.sglang.pages import HostPages, tensor_bytes
 from integrations.sglang.settings import (
     namespace_for,
@@ -55,7 +55,7 @@ class HiCacheServerStorage(HiCacheStorage):
         self.pages: HostPages | None = None
         self.backend: HiCacheServerBackend | None = None
         self.namespace = b""
-        self._stage_pages = 1
+        self._call_pages = 1  # pages per client call (`stage_bytes` of records)
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._counts = {"plugin_errors": 0, "skipped_sets": 0}
@@ -83,7 +83,7 @@ class HiCacheServerStorage(HiCacheStorage):
         if old is not None:
             old.close()
         self.pages, self.namespace = pages, ns
-        self._stage_pages = max(1, self.settings.stage_bytes // pages.record_bytes)
+        self._call_pages = max(1, self.settings.stage_bytes // pages.record_bytes)
         logger.info("hicache SGLang plugin: %s, %s pages of %d bytes (%s), namespace %s, %s",
                     backend.url, pages.layout, pages.payload_bytes, pages.dtype, ns.hex()[:16],
                     "MLA, " + ("writer" if self.ranks.is_writer else "reader")
@@ -132,43 +132,39 @@ class HiCacheServerStorage(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(nbytes / (1 << 30) / max(seconds, 1e-9))
 
-    def _read(self, keys: Sequence[str], land: Callable[[int, memoryview], None]) -> list[bool]:
-        """Read the records of `keys` part by part into this thread's staging buffers; hand
-        each valid payload to `land(i, payload)`. Stops after the part with the first miss:
-        SGLang uses only the leading run of hits."""
+    def _read(self, keys: Sequence[str], regions: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Read the records of `keys`, each payload straight into its page's `regions` (the
+        header into this thread's header buffers), in client calls of at most `stage_bytes`.
+        Stops after the call with the first miss: SGLang uses only the leading run of hits.
+
+        A page answered False was never copied when it was absent, of another length, key,
+        namespace or format (judged on the header first); its regions may hold bytes of a
+        record that failed its checksum, or that moved while being copied, and SGLang does not
+        use a slot answered False (see docs/sglang.md)."""
         pages, backend = self._ready()
         t0 = time.perf_counter()
         skeys = self._keys(keys)
         ok = [False] * len(keys)
-        for start in range(0, len(keys), self._stage_pages):
-            part = range(start, min(len(keys), start + self._stage_pages))
-            outs = pages.stage(len(part))
-            got = backend.batch_get([skeys[i] for i in part], outs)
-            wrong: list[str] = []
-            for i, hit, rec in zip(part, got, outs):
-                if not hit:
-                    continue
-                try:
-                    payload = pages.decode(skeys[i], rec)
-                except StorageCorrupt as e:  # checked, but a page of another format
-                    logger.warning("hicache SGLang plugin: dropping page %s: %s", keys[i][:16], e)
-                    wrong.append(skeys[i])
-                    continue
-                land(i, payload)
-                ok[i] = True
-            if wrong:
-                backend.report_corrupt(wrong)
-            if not all(ok[i] for i in part):
+        for start in range(0, len(keys), self._call_pages):
+            part = range(start, min(len(keys), start + self._call_pages))
+            heads = pages.heads(len(part))
+            got = backend.batch_get_parts([skeys[i] for i in part],
+                                          [[h, *regions[i]] for i, h in zip(part, heads)],
+                                          accept=pages.accept)
+            for i, hit in zip(part, got):
+                ok[i] = hit
+            if not all(got):
                 break
         hits = sum(ok)
         self._note("prefetch", hits, hits * pages.payload_bytes, time.perf_counter() - t0)
         return ok
 
-    def _write(self, keys: Sequence[str], fill: Callable[[int, str, memoryview], None]
-               ) -> list[bool]:
-        """Build each page's record with `fill(i, storage_key, out)` in staging buffers and
-        store them part by part. A rank that is not the writer (MLA, rank > 0) answers True
-        without writing: the writer stores the same pages."""
+    def _write(self, keys: Sequence[str], regions: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Store each page's record: its header (checksummed over `regions` where they lie)
+        in this thread's header buffers, its payload gathered by the client from `regions`
+        straight into the server's store, in calls of at most `stage_bytes`. A rank that is
+        not the writer (MLA, rank > 0) answers True without writing: the writer stores the
+        same pages."""
         if not self.ranks.is_writer:
             with self._lock:
                 self._counts["skipped_sets"] += len(keys)
@@ -177,12 +173,13 @@ class HiCacheServerStorage(HiCacheStorage):
         t0 = time.perf_counter()
         skeys = self._keys(keys)
         ok: list[bool] = []
-        for start in range(0, len(keys), self._stage_pages):
-            part = range(start, min(len(keys), start + self._stage_pages))
-            outs = pages.stage(len(part))
-            for i, out in zip(part, outs):
-                fill(i, skeys[i], out)
-            ok += backend.batch_set([skeys[i] for i in part], outs)
+        for start in range(0, len(keys), self._call_pages):
+            part = range(start, min(len(keys), start + self._call_pages))
+            heads = pages.heads(len(part))
+            for i, h in zip(part, heads):
+                pages.seal(skeys[i], regions[i], h)
+            ok += backend.batch_set_parts([skeys[i] for i in part],
+                                          [[h, *regions[i]] for i, h in zip(part, heads)])
         stored = sum(ok)
         self._note("backup", stored, stored * pages.payload_bytes, time.perf_counter() - t0)
         return ok
@@ -198,8 +195,7 @@ class HiCacheServerStorage(HiCacheStorage):
 
         def run() -> list[bool]:
             pages, _ = self._ready()
-            views = pages.page_views(host_indices, len(keys))
-            return self._read(keys, lambda i, payload: pages.scatter(payload, views[i]))
+            return self._read(keys, pages.page_views(host_indices, len(keys)))
 
         return self._guard("batch_get_v1", [False] * len(keys), run)
 
@@ -211,8 +207,7 @@ class HiCacheServerStorage(HiCacheStorage):
 
         def run() -> list[bool]:
             pages, _ = self._ready()
-            views = pages.page_views(host_indices, len(keys))
-            return self._write(keys, lambda i, k, out: pages.encode(k, views[i], out))
+            return self._write(keys, pages.page_views(host_indices, len(keys)))
 
         return self._guard("batch_set_v1", [False] * len(keys), run)
 
@@ -236,7 +231,7 @@ class HiCacheServerStorage(HiCacheStorage):
             views = [tensor_bytes(t) for t in targets]
             if any(len(v) != pages.payload_bytes for v in views):
                 raise ValueError(f"a target is not one page ({pages.payload_bytes} bytes)")
-            hit = self._read(keys, lambda i, payload: pages.scatter(payload, [views[i]]))
+            hit = self._read(keys, [[v] for v in views])
             return [t if h else None for t, h in zip(targets, hit)]
 
         return self._guard("batch_get", [None] * n, run)
@@ -255,8 +250,7 @@ class HiCacheServerStorage(HiCacheStorage):
             pages, _ = self._ready()
             if values is None or len(values) != len(keys):
                 raise ValueError("batch_set needs one page tensor per key")
-            data = [tensor_bytes(v.contiguous()) for v in values]
-            return all(self._write(keys, lambda i, k, out: pages.encode(k, [data[i]], out)))
+            return all(self._write(keys, [[tensor_bytes(v.contiguous())] for v in values]))
 
         return self._guard("batch_set", False, run)
 

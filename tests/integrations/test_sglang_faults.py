@@ -145,11 +145,18 @@ def _stored(server: HiCacheServerProc, key: str) -> bytes:
         raw.close()
 
 
+@pytest.mark.parametrize("shm", [True, False])
 @pytest.mark.parametrize("fault", ["bit_flip", "truncated", "other_namespace", "other_format",
                                    "other_key"])
-def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str) -> None:
+def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str, shm: bool) -> None:
+    """A bad record is a counted miss, deleted, and never a page reported as a hit. On the
+    same host, a record is judged on its header (length, key, namespace, format) before its
+    payload is copied into the host slot, so those faults leave the slot as it was; a record
+    whose header is right but whose payload fails the checksum is found out after its copy,
+    so the slot then holds those bytes, answered False (SGLang frees a slot answered False
+    without reading it). Over TCP every record is checked before it reaches the slot."""
     host = mha_host_pool(pages=24)
-    p = make_plugin(storage_config(server.url, model="bad"), host)
+    p = make_plugin(storage_config(server.url, model=f"bad-{shm}", shm=shm), host)
     try:
         keys = page_keys(2, seed=36)
         idx, want = fill(host, 2, seed=37)
@@ -174,11 +181,15 @@ def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str) -
         _plant(server, sk[0], rec)
         dst, before = _sentinel(host, 2)
         assert p.batch_get_v1(keys, dst) == [False, True]
-        assert page_bytes(host, dst, 0) == before[0]  # never a wrong page in the slot
+        if fault == "bit_flip" and shm:
+            assert page_bytes(host, dst, 0) == bytes(rec[128:])  # copied, then refused
+        else:
+            assert page_bytes(host, dst, 0) == before[0]  # never copied into the slot
         assert page_bytes(host, dst, 1) == want[1]
-        # (a record of another format passes the client's checks: counted a hit there, then
-        # reported corrupt by the plugin; the one corrupt count is the same)
-        assert _counts(p) == (0, 1, 0, 2 if fault == "other_format" else 1)
+        # (a record of another format passes the client's checks and is refused by the
+        # plugin's `accept`: corrupt, never a hit)
+        assert _counts(p) == (0, 1, 0, 1)
+        assert p.backend.arena.reads == (2 if shm else 0)
         assert p.batch_exists(keys) == 0  # the bad record is deleted
         assert p.batch_get(keys[1:], [host.get_dummy_flat_data_page()])[0] is not None
     finally:

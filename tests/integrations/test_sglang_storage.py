@@ -129,7 +129,7 @@ def test_a_batch_larger_than_the_staging_area_goes_in_parts(server: HiCacheServe
     host = mha_host_pool(pages=24)
     b = make_plugin(storage_config(server.url, model="parts", stage_bytes=20_000), host)
     try:
-        assert b.pages.record_bytes == 8320 and b._stage_pages == 2  # two records per part
+        assert b.pages.record_bytes == 8320 and b._call_pages == 2  # two records per part
         keys = page_keys(11, seed=7)
         idx, want = fill(host, 11, seed=8)
         assert b.batch_set_v1(keys, idx) == [True] * 11
@@ -154,6 +154,37 @@ def test_same_host_shared_memory_by_default(server: HiCacheServerProc, shm: bool
         assert [page_bytes(host, dst, p) for p in range(3)] == want
         arena = b.backend.arena
         assert (arena.writes, arena.reads) == ((3, 3) if shm else (0, 0))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_v1_pages_move_in_one_copy(server: HiCacheServerProc, layout: str) -> None:
+    """Same host: a set copies each page's regions straight into the server's store and a get
+    copies them straight back into the host slots (the record's header goes through a small
+    per-thread buffer): no record is assembled anywhere, no page byte crosses the region or
+    TCP, and the client's temporaries are never made."""
+    host = mha_host_pool(layout=layout)
+    b = make_plugin(storage_config(server.url, model=f"one-copy-{layout}"), host)
+    try:
+        regions = len(b.pages.region_sizes)
+        assert regions == (2 * 2 if layout == "layer_first" else 2)  # K and V (per layer)
+        keys = page_keys(4, seed=13)
+        idx, want = fill(host, 4, seed=14)
+        before = b.backend.server_stats()
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+        dst = host.alloc(4 * 16)
+        assert b.batch_get_v1(keys, dst) == [True] * 4
+        assert [page_bytes(host, dst, p) for p in range(4)] == want
+        st = b.backend.server_stats()
+        moved = {k: st[k] - before[k] for k in st if k.endswith("page_bytes_in")
+                 or k.endswith("page_bytes_out")}
+        n = 4 * b.pages.record_bytes
+        assert moved == {"store_page_bytes_in": n, "store_page_bytes_out": n,
+                         "shm_page_bytes_in": 0, "shm_page_bytes_out": 0,
+                         "tcp_page_bytes_in": 0, "tcp_page_bytes_out": 0}
+        assert (b.backend.arena.writes, b.backend.arena.reads) == (4, 4)
+        assert getattr(b.backend._scratch_local, "buf", None) is None
     finally:
         b.close()
 
