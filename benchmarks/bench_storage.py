@@ -170,20 +170,21 @@ def _client_main(factory: Callable[[], Any], plan: Plan, client: int, barrier: A
             barrier.abort()
 
 
-def run_one(name: str, baseline_of: str | None, factory: Callable[[], Any], plan: Plan,
-            repeat: int) -> list[OpResult]:
-    """Run `plan.clients` forked client processes against one started target."""
+def run_clients(
+    target: Callable[..., None], args: tuple[Any, ...], clients: int, timeout_s: float
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fork `clients` processes `target(*args, client, barrier, queue)`; each puts `(client,
+    result, error)` on the queue once. Their results and errors (a client that died: one)."""
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(plan.clients)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_client_main, args=(factory, plan, c, barrier, queue),
-                         daemon=True) for c in range(plan.clients)]
+    barrier, queue = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, c, barrier, queue), daemon=True)
+             for c in range(clients)]
     for p in procs:
         p.start()
-    per_client: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     errors: list[str] = []
-    deadline = time.monotonic() + 3600
-    while len(per_client) + len(errors) < plan.clients and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < clients and time.monotonic() < deadline:
         try:
             _c, res, err = queue.get(timeout=5)
         except Exception:  # noqa: BLE001 - queue.Empty
@@ -191,11 +192,18 @@ def run_one(name: str, baseline_of: str | None, factory: Callable[[], Any], plan
                 errors.append("client processes died")
                 break
             continue
-        (errors.append(err) if err else per_client.append(res))
+        (errors.append(err) if err else results.append(res))
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
+    return results, errors
+
+
+def run_one(name: str, baseline_of: str | None, factory: Callable[[], Any], plan: Plan,
+            repeat: int) -> list[OpResult]:
+    """Run `plan.clients` forked client processes against one started target."""
+    per_client, errors = run_clients(_client_main, (factory, plan), plan.clients, 3600)
     results = []
     for op in OPS:
         r = OpResult(name, baseline_of, op, plan.record_bytes, plan.clients, plan.batch_pages,

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -48,6 +47,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
+
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 MiB = 1 << 20
@@ -275,28 +277,7 @@ def _client_main(t: Target, plan: Plan, client: int, barrier: Any, queue: Any) -
 
 def run_one(t: Target, plan: Plan) -> dict[str, dict[str, float]]:
     """Fork `plan.clients` clients against `t`; per op: MB/s and misses (all clients)."""
-    ctx = mp.get_context("fork")
-    barrier, queue = ctx.Barrier(plan.clients), ctx.Queue()
-    procs = [ctx.Process(target=_client_main, args=(t, plan, c, barrier, queue), daemon=True)
-             for c in range(plan.clients)]
-    for p in procs:
-        p.start()
-    results: list[dict[str, Any]] = []
-    errors: list[str] = []
-    deadline = time.monotonic() + 1800
-    while len(results) + len(errors) < plan.clients and time.monotonic() < deadline:
-        try:
-            _c, res, err = queue.get(timeout=5)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if not any(p.is_alive() for p in procs):
-                errors.append("client processes died")
-                break
-            continue
-        (errors.append(err) if err else results.append(res))
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    results, errors = run_clients(_client_main, (t, plan), plan.clients, 1800)
     if errors:
         raise RuntimeError(f"{t.name}: {errors[0]}")
     out: dict[str, dict[str, float]] = {}

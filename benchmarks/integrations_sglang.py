@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -50,6 +49,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
 
 MiB = 1 << 20
 OPS = ("set", "get")
@@ -249,27 +250,7 @@ def _client(t: Target, plan: Plan, client: int, barrier: Any, queue: Any) -> Non
 def run_one(t: Target, plan: Plan) -> dict[str, dict[str, float]]:
     if t.cleanup is not None:
         t.cleanup()
-    ctx = mp.get_context("fork")
-    barrier, queue = ctx.Barrier(plan.clients), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(t, plan, c, barrier, queue), daemon=True)
-             for c in range(plan.clients)]
-    for p in procs:
-        p.start()
-    results, errors = [], []
-    deadline = time.monotonic() + 900
-    while len(results) + len(errors) < plan.clients and time.monotonic() < deadline:
-        try:
-            _c, res, err = queue.get(timeout=5)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if not any(p.is_alive() for p in procs):
-                errors.append("client processes died")
-                break
-            continue
-        (errors.append(err) if err else results.append(res))
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
+    results, errors = run_clients(_client, (t, plan), plan.clients, 900)
     out: dict[str, dict[str, float]] = {}
     for op in OPS:
         if errors or not results:

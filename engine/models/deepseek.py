@@ -40,7 +40,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.distributed import TPGroup
 from engine.models.config import KVSpec, ModelConfig, yarn_factor, yarn_get_mscale
-from engine.models.llama import MLP, RMSNorm
+from engine.models.llama import MLP, PreNormBlock, RMSNorm
 from engine.models.parallel import (
     ParallelLMHead,
     Piece,
@@ -304,7 +304,7 @@ class MoE(nn.Module):
         return Piece(f"{prefix}.{leaf}")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg, layer, tp)
@@ -315,17 +315,6 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):

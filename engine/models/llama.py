@@ -181,13 +181,14 @@ class MLP(nn.Module):
         return Piece(name)  # down_proj.bias: whole, added after the reduce
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class PreNormBlock(nn.Module):
+    """A decoder layer's wiring (Llama and DeepSeek alike): pre-norm attention and MLP, each
+    added to the residual stream. Subclasses build `self_attn`, `mlp` and the two norms."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
 
     def forward(
         self,
@@ -199,6 +200,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(PreNormBlock):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Backbone(nn.Module):
