@@ -18,7 +18,7 @@ from engine.models.config import kv_bytes_per_token
 from engine.models.loader import load_model, model_fingerprint
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
-from engine.tp import RankProcesses, free_port
+from engine.tp import RankFailure, RankProcesses, free_port
 from hicache.errors import ConfigError
 from hicache.hiradix import HiRadixCache
 from hicache.keys import namespace_seed
@@ -76,8 +76,13 @@ class EngineBase:
             self._start_tp(init_method)
         try:
             self._build(args)
-        except BaseException:
+        except BaseException as e:
+            # A rank that failed to build leaves this one's collectives failing ("connection
+            # closed by peer"): raise the rank's own reason instead.
+            reason = self._ranks.reported() if self._ranks is not None else None
             self._stop_tp()
+            if reason is not None:
+                raise RankFailure(f"failed to start: {reason}") from e
             raise
         if self._ranks is not None:
             try:

@@ -102,18 +102,24 @@ class RankProcesses:
             if not p.is_alive():
                 self._fail(f"tp rank {rank} exited (code {p.exitcode})")
 
+    def reported(self, wait_s: float = 1.0) -> str | None:
+        """What a rank reported when it failed or exited (waiting up to `wait_s` on each for
+        its report); None if every rank is alive and silent."""
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if conn.poll(wait_s):
+                msg = self._recv(rank, conn)
+                if msg[0] != "ready":
+                    self.failed = f"tp rank {rank}: {msg[1]}"
+                    return self.failed
+            if not p.is_alive():
+                self.failed = f"tp rank {rank} exited (code {p.exitcode})"
+                return self.failed
+        return None
+
     def why(self, err: BaseException) -> RankFailure:
         """The `RankFailure` behind a failed call: a rank's own report when it sent one
         (waiting briefly for it), else the call's error. Every later call raises it too."""
-        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            if conn.poll(1.0):
-                msg = self._recv(rank, conn)
-                self.failed = f"tp rank {rank}: {msg[1]}"
-                return RankFailure(self.failed)
-            if not p.is_alive():
-                self.failed = f"tp rank {rank} exited (code {p.exitcode})"
-                return RankFailure(self.failed)
-        self.failed = f"a collective failed: {type(err).__name__}: {err}"
+        self.failed = self.reported() or f"a collective failed: {type(err).__name__}: {err}"
         return RankFailure(self.failed)
 
     def send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from engine.engine import Engine
 from engine.tp import RankFailure
 from hicache.codec import HEADER_BYTES
 from hicache.keys import namespace_seed
+from tests.engine.tp_faults import RankOneFailsToBuild
 from tests.engine.workload import make_sessions, run_sessions
 
 pytestmark = pytest.mark.slow
@@ -172,6 +173,23 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_model: Path) -> None:
         assert time.monotonic() - t0 < 30
         with pytest.raises(RankFailure):  # and it stays failed
             e.add_request(input_ids=[1, 2, 3])
+
+
+@pytest.mark.parametrize("where", ["in_a_collective", "after_the_last"])
+def test_a_rank_that_fails_to_start_is_reported_with_its_reason(
+    tiny_model: Path, tmp_path: Path, where: str
+) -> None:
+    """Rank 0 raises rank 1's own reason, whether it was waiting for rank 1 in a collective
+    (which fails as "connection closed by peer") or had built its engine and was waiting."""
+    t0 = time.monotonic()
+    if where == "in_a_collective":
+        cls, kw, why = RankOneFailsToBuild, {}, "cannot size its pool"
+    else:
+        cls, why = Engine, "cannot open the store"
+        kw = _l3(tmp_path / "pages", FAULTY, fault="start", fault_rank=1)
+    with pytest.raises(RankFailure, match=f"tp rank 1.*injected: rank 1 {why}"):
+        cls(**_args(tiny_model, tp_size=2, dist_timeout=10, **kw))
+    assert time.monotonic() - t0 < 60
 
 
 # -- MLA: one latent per token, the same on every rank -----------------------------------------

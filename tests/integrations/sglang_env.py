@@ -10,9 +10,9 @@ its compiled operators against CUDA torch only, and without them its import stop
 
 So, when torchvision does not import as installed, `load_sglang_pools()` declares those two
 operator schemas (no kernel: a call raises "no kernel registered", nothing computes a wrong
-answer) and puts that directory on sys.path. Everything then imported is SGLang's and
-torchvision's own code; the tests never call a torchvision operator. Also used by
-benchmarks/integrations_sglang.py.
+answer) and imports it from that directory (on sys.path only for that import). Everything then
+imported is SGLang's and torchvision's own code; the tests never call a torchvision operator.
+Also used by benchmarks/integrations_sglang.py.
 """
 
 from __future__ import annotations
@@ -79,8 +79,15 @@ def load_sglang_pools() -> SimpleNamespace:
             raise ImportError(f"torchvision is not installed and {TORCHVISION_DIR} is missing "
                               "(make setup installs it)")
         _declare_torchvision_ops()
-        if str(TORCHVISION_DIR) not in sys.path:
-            sys.path.append(str(TORCHVISION_DIR))
+        # On sys.path only while torchvision imports: its later submodule imports go through
+        # the package's own __path__, and processes this one spawns (multiprocessing copies
+        # sys.path into them: the engine's TP ranks) must not find a torchvision whose
+        # operators they have not declared.
+        sys.path.append(str(TORCHVISION_DIR))
+        try:
+            importlib.import_module("torchvision")
+        finally:
+            sys.path.remove(str(TORCHVISION_DIR))
     from sglang.srt.mem_cache import hicache_storage
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
