@@ -369,13 +369,7 @@ class Engine(EngineBase):
         """Leave without the other ranks (one of them, or rank 0, is gone): stop this rank's
         transfer threads and close its backend and the group, with no collective."""
         self._closed = True
-        controller = getattr(self.cache, "controller", None)
-        if controller is not None:
-            controller.close()
-        storage = getattr(self.cache, "storage", None)
-        if storage is not None:
-            storage.close()
-        self.scheduler.close()
+        self._close_local()
         self._stop_tp()
 
     def __enter__(self) -> Engine:

@@ -76,20 +76,19 @@ class EngineBase:
             self._start_tp(init_method)
         try:
             self._build(args)
+            if self._ranks is not None:
+                self._ranks.wait_ready()
         except BaseException as e:
             # A rank that failed to build leaves this one's collectives failing ("connection
             # closed by peer"): raise the rank's own reason instead.
-            reason = self._ranks.reported() if self._ranks is not None else None
+            reason = None
+            if self._ranks is not None and not isinstance(e, RankFailure):
+                reason = self._ranks.reported()
+            self._close_local()
             self._stop_tp()
             if reason is not None:
                 raise RankFailure(f"failed to start: {reason}") from e
             raise
-        if self._ranks is not None:
-            try:
-                self._ranks.wait_ready()
-            except BaseException:
-                self._stop_tp()
-                raise
 
     def _start_tp(self, init_method: str | None) -> None:
         """Join (rank > 0) or start (rank 0: the other ranks' processes first) the group."""
@@ -113,6 +112,20 @@ class EngineBase:
             self._stop_tp()
             raise
         self.sync = GroupSync(self.tp.cpu_group, self.tp_rank, args.tp_size)
+
+    def _close_local(self) -> None:
+        """Stop this rank's transfer threads and close its L3 backend and scheduler (what of
+        them was built), with no collective."""
+        cache = getattr(self, "cache", None)
+        controller = getattr(cache, "controller", None)
+        if controller is not None:
+            controller.close()
+        storage = getattr(cache, "storage", None)
+        if storage is not None:
+            storage.close()
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.close()
 
     def _stop_tp(self) -> None:
         if self._ranks is not None:

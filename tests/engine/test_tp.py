@@ -8,6 +8,7 @@ engine with caching off.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,7 @@ def test_a_rank_that_fails_to_start_is_reported_with_its_reason(
 ) -> None:
     """Rank 0 raises rank 1's own reason, whether it was waiting for rank 1 in a collective
     (which fails as "connection closed by peer") or had built its engine and was waiting."""
+    before = {t.ident for t in threading.enumerate()}
     t0 = time.monotonic()
     if where == "in_a_collective":
         cls, kw, why = RankOneFailsToBuild, {}, "cannot size its pool"
@@ -190,6 +192,11 @@ def test_a_rank_that_fails_to_start_is_reported_with_its_reason(
     with pytest.raises(RankFailure, match=f"tp rank 1.*injected: rank 1 {why}"):
         cls(**_args(tiny_model, tp_size=2, dist_timeout=10, **kw))
     assert time.monotonic() - t0 < 60
+    # What rank 0 had built is closed: no L3 reader or transfer thread outlives the failure
+    # (hicache-check: the process's one record-check pool, made on first use).
+    left = [t.name for t in threading.enumerate() if t.ident not in before
+            and t.name.startswith("hicache") and not t.name.startswith("hicache-check")]
+    assert left == []
 
 
 # -- MLA: one latent per token, the same on every rank -----------------------------------------

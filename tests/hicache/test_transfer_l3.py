@@ -149,9 +149,11 @@ def test_readers_start_with_the_controller_and_a_prefetch_starts_no_thread():
     from hicache.controller import MIN_READ_PAGES
 
     host, codec, tr, keys = forty_stored_pages("l3-warm")
+    before = {t.ident for t in threading.enumerate()}  # (other tests' threads are not ours)
     ctl = TransferController(tr, has_storage=True, batch_pages=128, readers=3)
     try:
-        readers = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        readers = {t.ident for t in threading.enumerate()
+                   if t.name.startswith("hicache-read") and t.ident not in before}
         assert len(readers) == 3
         sizes = ctl._reader_pool.map(lambda _: tr._local.tensor.numel(), range(9))
         assert set(sizes) == {MIN_READ_PAGES * codec.record_bytes}
@@ -161,7 +163,8 @@ def test_readers_start_with_the_controller_and_a_prefetch_starts_no_thread():
         assert ctl.wait_idle(60)
         assert op.completed == 40
         assert torch.equal(host.page_major[50:90], host.page_major[0:40])
-        after = {t.ident for t in threading.enumerate() if t.name.startswith("hicache-read")}
+        after = {t.ident for t in threading.enumerate()
+                 if t.name.startswith("hicache-read") and t.ident not in before}
         assert after == readers
     finally:
         ctl.close()
