@@ -32,14 +32,12 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
+from integrations_sweep import sweep  # noqa: E402
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
@@ -301,41 +300,13 @@ def measure(args: Any) -> list[dict[str, Any]]:
     [per repeat], "mb_s_median"}` (plus `misses` per repeat) for every started target, op and
     client count. `args`: `clients` (list of int), `page_bytes`, `seconds`, `repeat`; optional
     `lmcache_targets` (names, default all) and `working_set_mb` (all clients together, 256)."""
-    clients = [int(c) for c in args.clients]
-    page = int(args.page_bytes)
-    hidden_size(page)
-    names = list(getattr(args, "lmcache_targets", None) or TARGETS)
-    unknown = set(names) - set(TARGETS)
-    if unknown:
-        raise ValueError(f"unknown lmcache targets {sorted(unknown)}; known: {list(TARGETS)}")
-    ws_bytes = int(getattr(args, "working_set_mb", 256)) * MiB
-    samples: dict[tuple[str, str, int], list[tuple[float, int]]] = {}
-    runs = 0
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lmcache-bench-")))
-        targets: list[Target] = []
-        for starter in dict.fromkeys(STARTERS[n] for n in names):
-            started = stack.enter_context(starter(tmp, ws_bytes))
-            targets += [t for t in started if t.name in names]
-        for n in clients:
-            batch = max(1, BATCH_BYTES // page)
-            chunks = max(batch, ws_bytes // n // page)
-            chunks = -(-chunks // batch) * batch
-            for rep in range(int(args.repeat)):
-                for t in targets:
-                    print(f"  lmcache {t.name:<14} x{n} rep {rep + 1}", file=sys.stderr)
-                    runs += 1
-                    res = run_one(t, Plan(page, n, batch, chunks, float(args.seconds), runs))
-                    for op in OPS:
-                        samples.setdefault((t.name, op, n), []).append(
-                            (res[op]["mb_s"], int(res[op]["misses"])))
-    rows = []
-    for (name, op, n), got in samples.items():
-        mbs = [round(m, 1) for m, _ in got]
-        rows.append({"plugin": "lmcache", "target": name, "builtin": name in BUILTIN, "op": op,
-                     "clients": n, "page_bytes": page, "mb_s": mbs,
-                     "mb_s_median": statistics.median(mbs), "misses": [x for _, x in got]})
-    return rows
+    hidden_size(int(args.page_bytes))
+
+    def run(t: Target, n: int, batch: int, chunks: int, rep: int, runs: int) -> dict[str, Any]:
+        return run_one(t, Plan(int(args.page_bytes), n, batch, chunks, float(args.seconds), runs))
+
+    return sweep("lmcache", args, getattr(args, "lmcache_targets", None) or TARGETS, STARTERS,
+                 BUILTIN, OPS, BATCH_BYTES, 256, run)
 
 
 def ratios(rows: list[dict[str, Any]], ours: str = "hicache") -> list[dict[str, Any]]:

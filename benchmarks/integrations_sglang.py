@@ -35,13 +35,11 @@ import contextlib
 import hashlib
 import os
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
+from integrations_sweep import sweep  # noqa: E402
 
 MiB = 1 << 20
 OPS = ("set", "get")
@@ -279,45 +278,17 @@ def measure(args: Any) -> list[dict[str, Any]]:
     from tests.integrations.sglang_env import load_sglang_pools
 
     load_sglang_pools()  # once, before the clients fork
-    clients = [int(c) for c in args.clients]
-    page = int(args.page_bytes)
-    tokens_per_page(page)
-    names = list(getattr(args, "sglang_targets", None) or TARGETS)
-    unknown = set(names) - set(TARGETS)
-    if unknown:
-        raise ValueError(f"unknown sglang targets {sorted(unknown)}; known: {list(TARGETS)}")
-    ws_bytes = int(getattr(args, "working_set_mb", 128)) * MiB
-    samples: dict[tuple[str, str, int], list[tuple[float, int]]] = {}
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sglang-bench-")))
-        targets: list[Target] = []
-        for starter in dict.fromkeys(STARTERS[n] for n in names):
-            started = stack.enter_context(starter(tmp, ws_bytes))
-            targets += [t for t in started if t.name in names]
-        for n in clients:
-            batch = max(1, BATCH_BYTES // page)
-            ws = max(batch, ws_bytes // n // page)
-            ws = -(-ws // batch) * batch
-            for rep in range(int(args.repeat)):
-                for t in targets:
-                    print(f"  sglang {t.name:<12} x{n} rep {rep + 1}", file=sys.stderr)
-                    plan = Plan(page, n, batch, ws, float(args.seconds), f"{t.name}{n}r{rep}")
-                    res = run_one(t, plan)
-                    for op in OPS:
-                        samples.setdefault((t.name, op, n), []).append(
-                            (res[op]["mb_s"], int(res[op]["misses"])))
-    rows = []
-    for (name, op, n), got in samples.items():
-        mbs = [round(m, 1) for m, _ in got]
-        # A repeat that failed (misses -1: e.g. Mooncake evicted the pages a client had just
-        # written, so its first get batch missed) measured no speed: the median is over the
-        # repeats that ran (0 when none did).
-        ran = [m for m, (_, x) in zip(mbs, got) if x >= 0]
-        rows.append({"plugin": "sglang", "target": name, "builtin": name in BUILTIN, "op": op,
-                     "clients": n, "page_bytes": page, "mb_s": mbs,
-                     "mb_s_median": statistics.median(ran) if ran else 0.0,
-                     "misses": [x for _, x in got]})
-    return rows
+    tokens_per_page(int(args.page_bytes))
+
+    def run(t: Target, n: int, batch: int, ws: int, rep: int, runs: int) -> dict[str, Any]:
+        plan = Plan(int(args.page_bytes), n, batch, ws, float(args.seconds), f"{t.name}{n}r{rep}")
+        return run_one(t, plan)
+
+    # A repeat that failed (misses -1: e.g. Mooncake evicted the pages a client had just
+    # written, so its first get batch missed) measured no speed: the median is over the
+    # repeats that ran (0 when none did).
+    return sweep("sglang", args, getattr(args, "sglang_targets", None) or TARGETS, STARTERS,
+                 BUILTIN, OPS, BATCH_BYTES, 128, run)
 
 
 if __name__ == "__main__":
