@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from hicache.backend import StorageConfig
 from hicache.backoff import Backoff
 from hicache.codec import (
+    HEADER_BYTES,
     encode_record_header,
     verify_record_head,
     verify_record_parts,
@@ -28,6 +30,7 @@ T = TypeVar("T")
 
 __all__ = [
     "Backoff",
+    "HeaderArea",
     "as_bool",
     "byte_view",
     "check_known_keys",
@@ -162,3 +165,20 @@ def each_key_once(
 verify_head = verify_record_head
 verify_parts = verify_record_parts
 encode_header = encode_record_header
+
+
+class HeaderArea:
+    """Record headers for callers whose buffers hold only the payload (an engine's KV pages or
+    chunks, written with `batch_set_parts`): `take(n)` gives `n` header-sized buffers of this
+    thread's area, reused by its next call."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(self, n: int) -> list[memoryview]:
+        need = n * HEADER_BYTES
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._local.buf = bytearray(need)
+        mv = memoryview(buf)
+        return [mv[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(n)]

@@ -44,7 +44,6 @@ from hicache.storage import StorageConfig
 from integrations.lmcache.client import ConnectorBackend
 from integrations.lmcache.records import (
     ChunkLayout,
-    Heads,
     judge,
     namespace_seed,
     payload_parts,
@@ -52,6 +51,7 @@ from integrations.lmcache.records import (
     storage_key,
 )
 from integrations.lmcache.settings import Settings, resolve
+from storage_backends.common import HeaderArea
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class HiCacheConnector(RemoteConnector):
         self._lock = threading.Lock()
         self._seeds: dict[tuple[Any, ...], bytes] = {}
         self._written: OrderedDict[str, str] = OrderedDict()  # LMCache key -> server key
-        self._heads = Heads()
+        self._heads = HeaderArea()
         self._warned: set[str] = set()
         self.backend = ConnectorBackend(StorageConfig(extra=dict(self.settings.backend_extra)))
         logger.info("hicache connector: %s, %s chunks of %d tokens (%d B records), worker %d%s",

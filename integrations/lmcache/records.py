@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,19 +162,3 @@ def judge(layout: ChunkLayout, seed: bytes, header: RecordHeader) -> str | None:
     if not 0 < header.token_count <= layout.chunk_tokens:
         return f"record holds {header.token_count} tokens"
     return None
-
-
-class Heads:
-    """Header buffers, per thread, reused by its next call (a record's header cannot live in
-    LMCache's `MemoryObj`, whose bytes are the chunk's alone)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def take(self, n: int) -> list[memoryview]:
-        need = n * HEADER_BYTES
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < need:
-            buf = self._local.buf = bytearray(need)
-        mv = memoryview(buf)
-        return [mv[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(n)]

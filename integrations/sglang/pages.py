@@ -17,7 +17,6 @@ assembled here: its header lives in a small per-thread buffer (`heads`) and the 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 
 from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec, RecordHeader
 from hicache.errors import ConfigError
-from storage_backends.common import encode_header
+from storage_backends.common import HeaderArea, encode_header
 
 # Host tensors a pool may keep its pages in (others are views of these, or hold no pages).
 _BUFFER_ATTRS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
@@ -86,7 +85,7 @@ class HostPages:
                          "regions": self.region_sizes}
         self.codec: PageCodec | None = None
         self.record_bytes = HEADER_BYTES + self.payload_bytes
-        self._local = threading.local()
+        self._heads = HeaderArea()
 
     def bind(self, namespace: bytes) -> None:
         """Make the record codec for pages of `namespace` (the seed depends on `geometry`)."""
@@ -137,12 +136,7 @@ class HostPages:
 
     def heads(self, n: int) -> list[memoryview]:
         """`n` header-sized buffers of this thread's header area (reused by its next call)."""
-        need = n * HEADER_BYTES
-        buf: bytearray | None = getattr(self._local, "heads", None)
-        if buf is None or len(buf) < need:
-            buf = self._local.heads = bytearray(need)
-        mv = memoryview(buf)
-        return [mv[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(n)]
+        return self._heads.take(n)
 
     def seal(self, key: str, payload: Sequence[memoryview], head: memoryview) -> None:
         """Write into `head` the header of page `key`'s record whose payload is `payload` (the
