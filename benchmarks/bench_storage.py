@@ -165,9 +165,15 @@ def _client_main(factory: Callable[[], Any], plan: Plan, client: int, barrier: A
         c.close()
         queue.put((client, result, ""))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        queue.put((client, {}, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        with contextlib.suppress(Exception):
-            barrier.abort()
+        client_failed(client, e, barrier, queue)
+
+
+def client_failed(client: int, e: BaseException, barrier: Any, queue: Any) -> None:
+    """In a `run_clients` client that raised `e`: report it, and release the others from the
+    barrier (they would wait for this client until their timeout)."""
+    queue.put((client, {}, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    with contextlib.suppress(Exception):
+        barrier.abort()
 
 
 def run_clients(

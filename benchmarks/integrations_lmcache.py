@@ -35,7 +35,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
+from bench_storage import client_failed, run_clients  # noqa: E402 (this file's folder is on sys.path)
 from integrations_sweep import sweep  # noqa: E402
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -269,9 +268,7 @@ def _client_main(t: Target, plan: Plan, client: int, barrier: Any, queue: Any) -
         c.close()
         queue.put((client, result, ""))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        queue.put((client, {}, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        with contextlib.suppress(Exception):
-            barrier.abort()
+        client_failed(client, e, barrier, queue)
 
 
 def run_one(t: Target, plan: Plan) -> dict[str, dict[str, float]]:

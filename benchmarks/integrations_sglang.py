@@ -37,7 +37,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_storage import run_clients  # noqa: E402 (this file's folder is on sys.path)
+from bench_storage import client_failed, run_clients  # noqa: E402 (this file's folder is on sys.path)
 from integrations_sweep import sweep  # noqa: E402
 
 MiB = 1 << 20
@@ -241,9 +240,7 @@ def _client(t: Target, plan: Plan, client: int, barrier: Any, queue: Any) -> Non
             b.close()
         queue.put((client, result, ""))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        queue.put((client, {}, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        with contextlib.suppress(Exception):
-            barrier.abort()
+        client_failed(client, e, barrier, queue)
 
 
 def run_one(t: Target, plan: Plan) -> dict[str, dict[str, float]]:
