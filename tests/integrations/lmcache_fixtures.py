@@ -225,6 +225,12 @@ class ConnectorHarness:
             o.ref_count_up()
         self.run(conn.batched_put(keys, objs))
 
+    def assert_holds(self, conn: Any, key: Any, want: torch.Tensor) -> None:
+        """`conn.get(key)` hands back a chunk with exactly `want`'s bits (then releases it)."""
+        got = self.run(conn.get(key))
+        assert got is not None and same_bits(got.tensor, want)
+        got.ref_count_down()
+
     def close(self) -> None:
         for conn in self.created:
             with contextlib.suppress(Exception):  # best effort at teardown

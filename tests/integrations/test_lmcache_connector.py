@@ -73,17 +73,13 @@ def test_lmcache_finds_the_connector(harness: ConnectorHarness, server: HiCacheS
     obj = harness.chunk(seed=1)
     want = obj.tensor.clone()
     harness.put(via_plugin, [harness.key(11)], [obj])
-    got = harness.run(via_url.get(harness.key(11)))
-    assert got is not None and same_bits(got.tensor, want)
-    got.ref_count_down()
+    harness.assert_holds(via_url, harness.key(11), want)
 
     # class_name naming the connector itself: LMCache wraps it in its DynamicConnectorAdapter.
     direct = ConnectorHarness(hc_url(server), module_path="integrations.lmcache.connector",
                               class_name="HiCacheConnector")
     try:
-        got = direct.run(direct.create().get(harness.key(11)))
-        assert got is not None and same_bits(got.tensor, want)
-        got.ref_count_down()
+        direct.assert_holds(direct.create(), harness.key(11), want)
     finally:
         direct.close()
 
@@ -228,9 +224,7 @@ def test_the_documented_config_works(server: HiCacheServerProc, tmp_path: Path,
             conn = h.create()
             obj = h.chunk(tokens=from_file.chunk_size, seed=9)
             h.put(conn, [h.key(401)], [obj])
-            got = h.run(conn.get(h.key(401)))
-            assert got is not None and same_bits(got.tensor, obj.tensor)
-            got.ref_count_down()
+            h.assert_holds(conn, h.key(401), obj.tensor)
             obj.ref_count_down()
         finally:
             h.close()

@@ -80,9 +80,7 @@ def test_dead_server_is_a_counted_miss_and_recovery_is_automatic(
         server.start()  # same port, empty memory tier; no reconnect step anywhere
         wait_until(lambda: h.run(conn.ping()) == 0)
         h.put(conn, [h.key(3)], [obj])
-        got = h.run(conn.get(h.key(3)))
-        assert got is not None and same_bits(got.tensor, obj.tensor)
-        got.ref_count_down()
+        h.assert_holds(conn, h.key(3), obj.tensor)
         obj.ref_count_down()
     finally:
         h.close()
@@ -101,9 +99,7 @@ def test_wrong_token_is_a_counted_miss(server: HiCacheServerProc) -> None:
         bad.put(stranger, [key], [obj])
         assert counts(stranger) == (4, 0, 0, 0, 1, 0)
         assert bad.run(stranger.ping()) == 2
-        got = good.run(writer.get(key))  # the refused put changed nothing
-        assert got is not None and same_bits(got.tensor, obj.tensor)
-        got.ref_count_down()
+        good.assert_holds(writer, key, obj.tensor)  # the refused put changed nothing
         obj.ref_count_down()
     finally:
         bad.close()
