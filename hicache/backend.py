@@ -126,13 +126,45 @@ class RecordChecker:
         return self._res
 
 
+def byte_view(buf: memoryview | bytes | bytearray) -> memoryview:
+    """A flat unsigned-byte view of any buffer (no copy)."""
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
 def flat_parts(parts: Sequence[memoryview]) -> list[memoryview]:
     """Flat unsigned-byte views of one record's parts (no copy)."""
-    out = []
-    for p in parts:
-        mv = memoryview(p)
-        out.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
-    return out
+    return [byte_view(p) for p in parts]
+
+
+class ThreadBuffers:
+    """Per thread, one byte area that grows as needed, handed out as buffers side by side:
+    `take(sizes)`'s buffers are reused by the same thread's next call, so a batch costs no
+    allocation and no page faults once warm (records read before a check, the headers of
+    records whose payload lies in an engine's pool)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def held(self) -> int:
+        """Bytes of this thread's area (0: it never took any)."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        return 0 if buf is None else len(buf)
+
+    def take(self, sizes: Sequence[int]) -> list[memoryview]:
+        need = sum(sizes)
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._local.buf = bytearray(need)
+        mv = memoryview(buf)
+        out = []
+        off = 0
+        for n in sizes:
+            out.append(mv[off : off + n])
+            off += n
+        return out
 
 
 def scatter(src: memoryview, parts: Sequence[memoryview]) -> None:
@@ -199,7 +231,8 @@ class StorageBackend(ABC):
         self._warned_corrupt = False
         # Records whose header names another namespace are rejected when ours is known.
         self._namespace = bytes.fromhex(config.namespace) if config.namespace else b""
-        self._scratch_local = threading.local()  # per thread: `_scratch`'s buffer
+        self._scratch_buffers = ThreadBuffers()  # records read into temporaries
+        self._scratch = self._scratch_buffers.take
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -335,21 +368,6 @@ class StorageBackend(ABC):
         for ps, t in zip(parts, tmp):
             gather(ps, t)
         return self.batch_set(keys, tmp)
-
-    def _scratch(self, sizes: Sequence[int]) -> list[memoryview]:
-        """Buffers of `sizes` bytes side by side in this thread's scratch area, reused by its
-        next call (so a batch costs no allocation, and no page faults, once warm)."""
-        need = sum(sizes)
-        buf: bytearray | None = getattr(self._scratch_local, "buf", None)
-        if buf is None or len(buf) < need:
-            buf = self._scratch_local.buf = bytearray(need)
-        mv = memoryview(buf)
-        out = []
-        off = 0
-        for n in sizes:
-            out.append(mv[off : off + n])
-            off += n
-        return out
 
     def _tally(self, keys: Sequence[str], checked: Sequence[Checked]) -> list[bool]:
         """Per key whether a valid record was delivered; count the batch, report the corrupt."""

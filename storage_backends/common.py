@@ -9,14 +9,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from hicache.backend import StorageConfig
+from hicache.backend import StorageConfig, byte_view
 from hicache.backoff import Backoff
 from hicache.codec import (
-    HEADER_BYTES,
     encode_record_header,
     verify_record_head,
     verify_record_parts,
@@ -30,7 +28,6 @@ T = TypeVar("T")
 
 __all__ = [
     "Backoff",
-    "HeaderArea",
     "as_bool",
     "byte_view",
     "check_known_keys",
@@ -123,14 +120,6 @@ def leading_run(flags: Sequence[bool] | Sequence[int]) -> int:
     return len(flags)
 
 
-def byte_view(buf: memoryview | bytes | bytearray) -> memoryview:
-    """A flat unsigned-byte view of any buffer (no copy)."""
-    mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
-
-
 def each_key_once(
     keys: Sequence[str],
     out: Sequence[memoryview],
@@ -166,19 +155,3 @@ verify_head = verify_record_head
 verify_parts = verify_record_parts
 encode_header = encode_record_header
 
-
-class HeaderArea:
-    """Record headers for callers whose buffers hold only the payload (an engine's KV pages or
-    chunks, written with `batch_set_parts`): `take(n)` gives `n` header-sized buffers of this
-    thread's area, reused by its next call."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def take(self, n: int) -> list[memoryview]:
-        need = n * HEADER_BYTES
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < need:
-            buf = self._local.buf = bytearray(need)
-        mv = memoryview(buf)
-        return [mv[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(n)]

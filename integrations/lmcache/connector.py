@@ -38,7 +38,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from hicache.codec import RecordHeader
+from hicache.backend import ThreadBuffers
+from hicache.codec import HEADER_BYTES, RecordHeader
 from hicache.errors import ConfigError, StorageError, StorageUnavailable
 from hicache.storage import StorageConfig
 from integrations.lmcache.client import ConnectorBackend
@@ -51,7 +52,6 @@ from integrations.lmcache.records import (
     storage_key,
 )
 from integrations.lmcache.settings import Settings, resolve
-from storage_backends.common import HeaderArea
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class HiCacheConnector(RemoteConnector):
         self._lock = threading.Lock()
         self._seeds: dict[tuple[Any, ...], bytes] = {}
         self._written: OrderedDict[str, str] = OrderedDict()  # LMCache key -> server key
-        self._heads = HeaderArea()
+        self._heads = ThreadBuffers()
         self._warned: set[str] = set()
         self.backend = ConnectorBackend(StorageConfig(extra=dict(self.settings.backend_extra)))
         logger.info("hicache connector: %s, %s chunks of %d tokens (%d B records), worker %d%s",
@@ -208,7 +208,7 @@ class HiCacheConnector(RemoteConnector):
 
     def _put_part(self, part: Sequence[tuple[CacheEngineKey, MemoryObj, int]]) -> None:
         """One `batch_set_parts`: each record is our header, then the chunk where it lies."""
-        heads = self._heads.take(len(part))
+        heads = self._heads.take([HEADER_BYTES] * len(part))
         skeys: list[str] = []
         parts: list[list[memoryview]] = []
         for (key, obj, tokens), head in zip(part, heads):
@@ -266,7 +266,7 @@ class HiCacheConnector(RemoteConnector):
             return problem
 
         try:
-            heads = self._heads.take(len(idx))
+            heads = self._heads.take([HEADER_BYTES] * len(idx))
             parts = [[head, memoryview(objs[i].byte_array).cast("B")]  # type: ignore[union-attr]
                      for head, i in zip(heads, idx)]
             ok = self.backend.batch_get_parts([skeys[i] for i in idx], parts, accept=accept)

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from hicache.backend import ThreadBuffers
 from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec, RecordHeader
 from hicache.errors import ConfigError
-from storage_backends.common import HeaderArea, encode_header
+from storage_backends.common import encode_header
 
 # Host tensors a pool may keep its pages in (others are views of these, or hold no pages).
 _BUFFER_ATTRS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
@@ -85,7 +86,7 @@ class HostPages:
                          "regions": self.region_sizes}
         self.codec: PageCodec | None = None
         self.record_bytes = HEADER_BYTES + self.payload_bytes
-        self._heads = HeaderArea()
+        self._heads = ThreadBuffers()
 
     def bind(self, namespace: bytes) -> None:
         """Make the record codec for pages of `namespace` (the seed depends on `geometry`)."""
@@ -136,7 +137,7 @@ class HostPages:
 
     def heads(self, n: int) -> list[memoryview]:
         """`n` header-sized buffers of this thread's header area (reused by its next call)."""
-        return self._heads.take(n)
+        return self._heads.take([HEADER_BYTES] * n)
 
     def seal(self, key: str, payload: Sequence[memoryview], head: memoryview) -> None:
         """Write into `head` the header of page `key`'s record whose payload is `payload` (the
