@@ -20,6 +20,10 @@ key              meaning                                           default
 ``shm_bytes``    size of each connection's region; a batch larger  4 x ``batch_bytes``
                  goes in rounds of requests of 1/8 of it, a record
                  larger goes over TCP
+``shm_populate`` fill this process's page tables for the part of   true
+                 the server's store that holds space, on a
+                 background thread (hicache_store.Populator), so
+                 first copies do not fault page by page
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -75,7 +79,7 @@ from storage_backends.server.store import tune_malloc
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
-              "shm", "shm_bytes")
+              "shm", "shm_bytes", "shm_populate")
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 _ABSENT = Checked(-1, None)
 
@@ -106,7 +110,8 @@ class HiCacheServerBackend(StorageBackend):
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
-                                 shm_bytes=self.shm_bytes)
+                                 shm_bytes=self.shm_bytes,
+                                 populate=setting(config, "shm_populate", True))
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
         self._probe()

@@ -33,14 +33,14 @@ class Connections:
     connection out, so concurrent prefetch and backup threads run theirs in parallel."""
 
     def __init__(self, url: str, token: str, timeout_ms: int, *, shm: bool,
-                 shm_bytes: int) -> None:
+                 shm_bytes: int, populate: bool = True) -> None:
         self.url = url
         self.timeout_ms = timeout_ms
         self.shm_bytes = shm_bytes
         # Whether new connections offer a region: off by config, or after a server refused one.
         self.shm_enabled = shm
         # The server's shared-memory store, mapped on first use (`hicache_store`).
-        self.arena = StoreAccess(shm)
+        self.arena = StoreAccess(shm, populate)
         self.backoff = Backoff(f"hicache-server {url}", initial_s=0.05, max_s=2.0)
         self.closed = False
         self._ctx = zmq.Context(io_threads=1)

@@ -13,11 +13,15 @@ arena`). The client maps it (`map_store`) once, read-write, and then:
 Whatever cannot go this way (no room in the arena, a record moved during its copy, an older
 server) goes through the connection's region (`storage_backends.hicache_shm`) or TCP frames.
 `StoreAccess` is one backend's use of the store: the mapping, whether to use it, and counters.
+A mapping fills its page tables for the part of the arena the server holds space for on a
+background thread (`Populator`), so the hot path's copies do not fault page by page.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
@@ -29,7 +33,14 @@ from collections.abc import Callable, Sequence
 from hicache.errors import StorageError
 from storage_backends.hicache_shm import SHM_DIR, SHM_REFUSALS, Exchange, ShmLost, checked, split
 from storage_backends.server import protocol as P
-from storage_backends.server.arena import BLOCK, HEADER, HEADER_BYTES, MAGIC, NAME_PREFIX
+from storage_backends.server.arena import (
+    ALLOCATED_AT,
+    BLOCK,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PREFIX,
+)
 from storage_backends.server.shm import private_file_problem
 
 logger = logging.getLogger(__name__)
@@ -40,6 +51,94 @@ STORE_NAME = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
 NOT_MAPPED = -2
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in, writable, without touching their bytes
+_POPULATE_STEP = 64 << 20  # bytes per madvise call (a close waits for one at most)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_libc = _load_libc()
+
+
+class Populator:
+    """Fills this process's page tables for the part of the server's arena that has tmpfs
+    space (the mark at `ALLOCATED_AT` in its header), on a background thread, as the mark
+    grows. A first touch of a mapped page otherwise faults, one 4 KiB page at a time: about
+    1 us each on a VM, several times the cost of copying the page, paid by the first copies of
+    every client process. Never reaches past the mark, so the arena stays as sparse as the
+    server keeps it. Off (`enabled` False) where `MADV_POPULATE_WRITE` is refused (Linux before
+    5.14): pages then fault in as they are first touched, as before."""
+
+    def __init__(self, mm: mmap.mmap, data_start: int, mark: memoryview) -> None:
+        c = ctypes.c_char.from_buffer(mm)  # the mapping's address (the export is let go at once)
+        self._base = ctypes.addressof(c)
+        del c
+        self._mm = mm  # kept mapped while the thread runs
+        self._start = data_start
+        self._limit = len(mm) - data_start  # data bytes mapped
+        self._mark = mark  # the server's mark (one u64 in the shared header)
+        self.enabled = _libc is not None
+        self.done = 0  # data bytes populated, from the data start
+        self._seen = 0  # the mark last seen
+        self._asked = 0  # populate up to here (the mark, within the mapping)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poke(self) -> None:
+        """Populate up to the server's mark, if it moved (cheap: called per record)."""
+        if self._mark[0] != self._seen and self.enabled:
+            with self._lock:
+                self._seen = int(self._mark[0])
+                self._asked = max(self._asked, min(self._seen, self._limit))
+                if self._thread is None and not self._stop:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="hicache-store-populate")
+                    self._thread.start()
+
+    def _run(self) -> None:
+        page = mmap.PAGESIZE
+        while True:
+            with self._lock:
+                if self._stop or self.done >= self._asked:
+                    self._thread = None
+                    return
+                n = min(self._asked - self.done, _POPULATE_STEP)
+            n -= n % page
+            assert _libc is not None
+            rc = _libc.madvise(ctypes.c_void_p(self._base + self._start + self.done),
+                               ctypes.c_size_t(n), _MADV_POPULATE_WRITE) if n else -1
+            if rc != 0:
+                logger.debug("hicache backend: not populating the store mapping: %s",
+                             os.strerror(ctypes.get_errno()) if n else "below a page")
+                with self._lock:
+                    self.enabled = False
+                    self._thread = None
+                return
+            self.done += n
+
+    def stop(self) -> None:
+        """Stop populating (waits for the madvise call in progress)."""
+        with self._lock:
+            self._stop = True
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the mapping is populated up to the mark last seen, waiting up to `timeout`
+        seconds (tests)."""
+        deadline = time.monotonic() + timeout
+        while self.enabled and self.done < self._asked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.done >= self._asked
+
+
 class StoreMap:
     """The server's arena, mapped (`map_store`): records are copied from it in place, and
     written into slots the server reserved for this client (`store_set`).
@@ -48,7 +147,7 @@ class StoreMap:
     0600, of the stated size) and its header must name the arena id the server gave, so a file
     of another server (or another host's name) is never read or written."""
 
-    def __init__(self, name: str, size: int, arena_id: int) -> None:
+    def __init__(self, name: str, size: int, arena_id: int, *, populate: bool = True) -> None:
         if not STORE_NAME.fullmatch(name):
             raise StorageError(f"shared-memory store name {name!r} is not ours")
         path = os.path.join(SHM_DIR, name)
@@ -71,6 +170,10 @@ class StoreMap:
         self.id = arena_id
         self.size = size
         self._gens = self.buf[HEADER_BYTES : HEADER_BYTES + table].cast("Q")
+        self._mark = self.buf[ALLOCATED_AT : ALLOCATED_AT + 8].cast("Q")
+        self.populator = Populator(self._mm, self.data_start, self._mark) if populate else None
+        self._poke = self.populator.poke if self.populator is not None else _nothing
+        self._poke()
 
     def _block(self, offset: int, length: int) -> int:
         """The first block of a record of `length` bytes at `offset`; -1 when that is not a
@@ -86,6 +189,7 @@ class StoreMap:
         block = self._block(offset, length)
         if block < 0 or length != len(dst) or self._gens[block] != gen:
             return False
+        self._poke()
         dst[:] = self.buf[offset : offset + length]
         return bool(self._gens[block] == gen)
 
@@ -96,6 +200,7 @@ class StoreMap:
         block = self._block(offset, length)
         if block < 0 or self._gens[block] != gen:
             return None
+        self._poke()
         return self.buf[offset : offset + length]
 
     def current(self, offset: int, gen: int) -> bool:
@@ -113,6 +218,7 @@ class StoreMap:
         block = self._block(offset, length)
         if block < 0 or self._gens[block] != gen:
             return False
+        self._poke()
         buf = self.buf
         for p in parts:
             n = len(p)
@@ -121,14 +227,23 @@ class StoreMap:
         return True
 
     def close(self) -> None:
+        populator = getattr(self, "populator", None)
+        if populator is not None:
+            populator.stop()
         with contextlib.suppress(AttributeError):
             self._gens.release()
+            self._mark.release()
         self.buf.release()
         self._mm.close()
 
 
-def map_store(call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
-    """Ask the server for its store and map it; None when it has none (or an older protocol)."""
+def _nothing() -> None:
+    pass
+
+
+def map_store(call: Callable[[P.Request], P.Reply], populate: bool = True) -> StoreMap | None:
+    """Ask the server for its store and map it; None when it has none (or an older protocol).
+    `populate`: fill the mapping's page tables ahead of use (`Populator`)."""
     reply = call(P.MapStoreRequest())
     if isinstance(reply, P.ErrorReply):
         if reply.code in SHM_REFUSALS:
@@ -136,7 +251,7 @@ def map_store(call: Callable[[P.Request], P.Reply]) -> StoreMap | None:
         raise StorageError(f"server answered {reply.code}: {reply.message}")
     if not isinstance(reply, P.MapStoreReply):
         raise StorageError(f"server answered {reply.TYPE} to map_store")
-    return StoreMap(reply.name, reply.size, reply.arena_id)
+    return StoreMap(reply.name, reply.size, reply.arena_id, populate=populate)
 
 
 def store_set(
@@ -274,8 +389,9 @@ class StoreAccess:
     failure to map turns it off for good), written into until the server refuses reservations,
     and counted."""
 
-    def __init__(self, wanted: bool) -> None:
+    def __init__(self, wanted: bool, populate: bool = True) -> None:
         self.map: StoreMap | None = None
+        self.populate = populate  # map the store's allocated part ahead of use
         self.wanted = wanted  # map the store when asked (False: no shm, or it cannot be used)
         self.writes_wanted = wanted  # write records into reserved slots
         self._lock = threading.Lock()
@@ -293,7 +409,7 @@ class StoreAccess:
         with self._lock:
             if self.map is None and self.wanted:
                 try:
-                    self.map = map_store(call)
+                    self.map = map_store(call, self.populate)
                 except (OSError, StorageError) as e:
                     logger.info("hicache backend: not using the server's store in place: %s", e)
                 if self.map is None:

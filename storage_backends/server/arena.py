@@ -7,7 +7,8 @@ copies the record straight from its mapping into the caller's buffer: no server-
 socket bytes. Writes go the other way: the server reserves a slot (`reserve`), the client copies
 the record into it and commits it (`storage_backends.server.reservations`). Layout:
 
-    [0, 64)                header: magic, arena id, block size, table bytes, data bytes
+    [0, 64)                header: magic, arena id, block size, table bytes, data bytes,
+                           then (at `ALLOCATED_AT`) the data bytes tmpfs space is reserved for
     [64, 64 + table)       generation table: one little-endian u64 per data block
     [data_start, size)     data blocks (4 KiB); a record takes a run of whole blocks
 
@@ -19,7 +20,9 @@ machines do not enable the arena). The client validates every record it reads be
 length, key digest, XXH3 checksum), so even a missed race cannot serve wrong bytes.
 
 Space: a sparse file, allocated from tmpfs (`posix_fallocate`) as the high-water mark grows, so
-an arena sized like `--capacity` costs only what is stored. A record that finds no run of free
+an arena sized like `--capacity` costs only what is stored. The header publishes that mark, so
+a client can map the allocated part ahead of use (`hicache_store.Populator`) without ever
+allocating the rest. A record that finds no run of free
 blocks (or no tmpfs space) stays in the server's heap like a page received over TCP, and is
 read through the older paths (`shm_get`, TCP frames): the arena is an accelerator, never a
 condition. Only the server's request thread allocates and frees, under the store's lock.
@@ -43,6 +46,7 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 BLOCK = 4096
 HEADER = struct.Struct("<8sQQQQ")  # magic, arena id, block bytes, table bytes, data bytes
+ALLOCATED_AT = HEADER.size  # u64: data bytes (from the data start) tmpfs space is reserved for
 HEADER_BYTES = 64
 MAGIC = b"HCARENA1"
 NAME_PREFIX = "hicache-store-"
@@ -218,6 +222,7 @@ class Arena:
                                e.strerror)
                 return False
         self._allocated_to = end
+        struct.pack_into("<Q", self.buf, ALLOCATED_AT, end * BLOCK)
         return True
 
     def reserve(self, n: int) -> ArenaSlot | None:

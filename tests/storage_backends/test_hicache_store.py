@@ -7,6 +7,7 @@ without a store) is followed, arenas of dead servers are removed, and nothing is
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -112,6 +113,56 @@ def test_client_map_checks_the_arena_id_and_refuses_a_copy_across_a_free() -> No
         assert not m.read(slot.offset, 99, gen, dst)  # not the caller's length
         m.close()
     finally:
+        arena.close()
+
+
+def _rss(base: int) -> int:
+    """Bytes of this process's mapping that starts at `base` that are in its page tables."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{base:x}":
+            for entry in lines[i + 1:]:
+                if entry.startswith("Rss:"):
+                    return int(entry.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {base:#x}")
+
+
+def _space(arena: Arena) -> int:
+    """Bytes of /dev/shm the arena's file holds."""
+    return os.stat(arena.path).st_blocks * 512
+
+
+def test_client_maps_the_arenas_space_ahead_and_never_past_the_servers_mark() -> None:
+    step = 64 << 20  # the arena's growth step
+    arena = Arena(4 * step)
+    m = StoreMap(arena.name, arena.size, arena.id)
+    cold = StoreMap(arena.name, arena.size, arena.id, populate=False)
+    try:
+        assert m.populator is not None and cold.populator is None
+        assert m.populator.enabled, "MADV_POPULATE_WRITE refused (Linux < 5.14?)"
+        assert (m.populator.done, _space(arena)) == (0, arena.data_start)  # nothing held yet
+        slot = arena.store(memoryview(b"x" * 100))  # the arena takes its first step of space
+        assert slot is not None and _space(arena) == arena.data_start + step
+        assert m.view(slot.offset, 100, slot.gen) is not None  # sees the mark move
+        assert m.populator.wait(30) and m.populator.done == step
+        held = _rss(m.populator._base)
+        assert step <= held <= step + arena.data_start  # the held part, and the header/table
+        assert _space(arena) == arena.data_start + step  # no byte of /dev/shm more: sparse
+        assert cold.view(slot.offset, 100, slot.gen) is not None
+        c = ctypes.c_char.from_buffer(cold._mm)
+        cold_base = ctypes.addressof(c)
+        del c
+        assert _rss(cold_base) < (1 << 20)  # shm_populate off: pages come in as touched
+        big = arena.store(memoryview(bytes(step + BLOCK)))  # past the first step: a second
+        assert big is not None and _space(arena) == arena.data_start + 2 * step
+        m.view(big.offset, big.length, big.gen)
+        assert m.populator.wait(30) and m.populator.done == 2 * step
+        assert 2 * step <= _rss(m.populator._base) <= 2 * step + arena.data_start
+        assert _space(arena) == arena.data_start + 2 * step
+    finally:
+        m.close()
+        cold.close()
         arena.close()
 
 
