@@ -280,7 +280,23 @@ def verify_record_parts(parts: Sequence[memoryview], key: str) -> RecordHeader:
     releases the GIL). Returns the header or raises `StorageCorrupt`."""
     head = record_head(parts)
     header = verify_record_head(head, key, sum(len(p) for p in parts))
-    if header.version == 2:
+    _verify_sum(head, header.version, parts)
+    return header
+
+
+def verify_copied_parts(parts: Sequence[memoryview], head: bytes, version: int) -> None:
+    """The rest of `verify_record_parts` for a record whose header `head` passed
+    `verify_record_head` (version `version`) where it lay before it was copied into `parts`:
+    the copy starts with exactly that header, and its checksum holds over the parts. Raises
+    `StorageCorrupt`."""
+    if record_head(parts) != head:
+        raise StorageCorrupt("record header changed while it was copied")
+    _verify_sum(head, version, parts)
+
+
+def _verify_sum(head: bytes, version: int, parts: Sequence[memoryview]) -> None:
+    """The checksum of the record held in `parts` (header `head`), streamed over them."""
+    if version == 2:
         h = xxhash.xxh3_64()
         h.update(head[:_SUM_OFFSET])
         for v in _payload(parts):
@@ -292,9 +308,8 @@ def verify_record_parts(parts: Sequence[memoryview], key: str) -> RecordHeader:
             crc = zlib.crc32(v, crc)
         stored, actual = int.from_bytes(head[_CRC_OFFSET:], "little"), crc
     if actual != stored:
-        raise StorageCorrupt(f"checksum mismatch (record v{header.version}: stored {stored:#x}, "
+        raise StorageCorrupt(f"checksum mismatch (record v{version}: stored {stored:#x}, "
                              f"computed {actual:#x})")
-    return header
 
 
 def encode_record_header(

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from hicache.backend import Checked, HeaderCheck, RecordChecker, scatter
-from hicache.codec import HEADER_BYTES, RecordHeader
+from hicache.codec import HEADER_BYTES, RecordHeader, verify_copied_parts
 from hicache.errors import ConfigError, StorageCorrupt, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
 from storage_backends.common import (
@@ -60,7 +60,6 @@ from storage_backends.common import (
     each_key_once,
     setting,
     verify_head,
-    verify_parts,
 )
 from storage_backends.hicache_conn import Connections
 from storage_backends.hicache_shm import Conn, shm_get, shm_set, split
@@ -335,7 +334,14 @@ class HiCacheServerBackend(StorageBackend):
         src = store.view(off, n, gen)
         if src is None:
             return None
-        problem = self._judge(key, lambda: verify_head(bytes(src[:HEADER_BYTES]), key, n), accept)
+        head = bytes(src[:HEADER_BYTES])
+        judged: list[RecordHeader] = []
+
+        def verify() -> RecordHeader:
+            judged.append(verify_head(head, key, n))
+            return judged[0]
+
+        problem = self._judge(key, verify, accept)
         if not store.current(off, gen):
             return None  # the header changed under us: that verdict is void
         if problem is not None:
@@ -343,7 +349,13 @@ class HiCacheServerBackend(StorageBackend):
         scatter(src, parts)
         if not store.current(off, gen):
             return None  # freed during the copy: the parts hold part of it, unchecked
-        return Checked(n, self._judge(key, lambda: verify_parts(parts, key), accept))
+        # The header judged above is the one copied (compared byte for byte), so the verdict
+        # holds for the copy; what is left to check is the checksum over the parts.
+        try:
+            verify_copied_parts(parts, head, judged[0].version)
+        except StorageCorrupt as e:
+            return Checked(n, str(e))
+        return Checked(n, None)
 
     def _judge(self, key: str, verify: Callable[[], RecordHeader],
                accept: HeaderCheck | None) -> str | None:

@@ -249,8 +249,9 @@ class HiCacheConnector(RemoteConnector):
         """One `batch_get_parts` straight into LMCache `MemoryObj`s: each record lands as our
         header buffer, then the object's bytes. A record that is not a chunk of ours (`judge`)
         is never copied into the object, and is counted, dropped and deleted by the client."""
-        seeds = {storage_key(self.namespace(k), k.chunk_hash): self.namespace(k) for k in part}
-        skeys = [storage_key(self.namespace(k), k.chunk_hash) for k in part]
+        spaces = [self.namespace(k) for k in part]
+        skeys = [storage_key(seed, k.chunk_hash) for seed, k in zip(spaces, part)]
+        seeds = dict(zip(skeys, spaces))
         objs = [self._allocate() for _ in part]
         idx = [i for i, o in enumerate(objs) if o is not None]
         self._count(alloc_failures=len(part) - len(idx))

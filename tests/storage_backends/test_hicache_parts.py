@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from hicache.codec import HEADER_BYTES, PageCodec, RecordHeader, verify_record
+from hicache.codec import (
+    HEADER_BYTES,
+    PageCodec,
+    RecordHeader,
+    verify_copied_parts,
+    verify_record,
+)
 from hicache.errors import StorageCorrupt
 from hicache.memory_backend import MemoryBackend
 from hicache.storage import StorageBackend, StorageConfig
@@ -121,6 +127,27 @@ def test_verify_parts_agrees_with_verify_record(version: int) -> None:
         verify_head(rec[:HEADER_BYTES], key, len(rec) + 1)
     with pytest.raises(StorageCorrupt, match="shorter than its header"):
         verify_head(rec[:HEADER_BYTES - 1], key, len(rec))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_verify_copied_parts_takes_only_the_judged_header_with_its_checksum(shape: str) -> None:
+    """After a header was judged where it lay, the copy must start with exactly that header
+    (a valid record of another format is not passed by its own checksum) and hold its checksum
+    over the parts."""
+    keys, recs = _pages("copied", 1)
+    rec = bytes(recs[0])
+    head = rec[:HEADER_BYTES]
+    version = verify_head(head, keys[0], len(rec)).version
+    verify_copied_parts(_split(rec, SHAPES[shape]), head, version)
+    other = bytes(_other_format(keys[0], rec[HEADER_BYTES:]))  # same payload, valid record
+    assert verify_parts(_split(other, SHAPES[shape]), keys[0]).layout == "page_first"
+    with pytest.raises(StorageCorrupt, match="header changed"):
+        verify_copied_parts(_split(other, SHAPES[shape]), head, version)
+    for i in (HEADER_BYTES, len(rec) // 2, len(rec) - 1):  # a payload byte: its checksum
+        bad = bytearray(rec)
+        bad[i] ^= 0x01
+        with pytest.raises(StorageCorrupt, match="checksum"):
+            verify_copied_parts(_split(bad, SHAPES[shape]), head, version)
 
 
 def test_encode_header_writes_the_codec_record() -> None:
@@ -276,6 +303,34 @@ def test_a_bad_record_in_the_store(tmp_path: Path, fault: str) -> None:
         assert (s.get_pages, s.get_hits, s.corrupt_pages, s.errors) == (2, 1, int(bad), 0)
         assert (b.arena.reads, b.arena.fallbacks) == (2, 0)
         assert b.batch_exists(keys[:1]) == 0  # a bad record was deleted
+        b.close()
+
+
+def test_a_header_changed_during_the_copy_is_refused_though_its_record_is_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header is judged where it lies, before the copy. If the copy then holds another
+    header (a writer that broke the arena's protocol, generation unchanged), the copy is not
+    taken on its own checksum: here a valid record of the same key and payload but of a
+    format `accept` refuses. A counted corrupt miss, deleted."""
+    keys, recs = _pages("swap", 1)
+    other = bytes(_other_format(keys[0], recs[0][HEADER_BYTES:]))
+    real_scatter = hicache_backend.scatter
+
+    def scatter(src: memoryview, parts: Sequence[memoryview]) -> None:
+        real_scatter(src, parts)
+        parts[0][:] = other[:HEADER_BYTES]  # the "head+4" shape: part 0 is the header
+
+    monkeypatch.setattr(hicache_backend, "scatter", scatter)
+    with hicache_server(tmp_path) as srv:
+        b = srv.client()
+        assert b.batch_set(keys, [memoryview(recs[0])]) == [True]
+        parts = [_parts(SHAPES["head+4"])]
+        assert verify_parts(_split(other, SHAPES["head+4"]), keys[0]).layout == "page_first"
+        assert b.batch_get_parts(keys, parts, accept=_only_raw) == [False]
+        s = b.stats()
+        assert (s.get_pages, s.get_hits, s.corrupt_pages) == (1, 0, 1)
+        assert b.batch_exists(keys) == 0
         b.close()
 
 
