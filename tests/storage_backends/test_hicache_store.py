@@ -140,12 +140,14 @@ def test_client_maps_the_arenas_space_ahead_and_never_past_the_servers_mark() ->
     cold = StoreMap(arena.name, arena.size, arena.id, populate=False)
     try:
         assert m.populator is not None and cold.populator is None
-        assert m.populator.enabled, "MADV_POPULATE_WRITE refused (Linux < 5.14?)"
         assert (m.populator.done, _space(arena)) == (0, arena.data_start)  # nothing held yet
         slot = arena.store(memoryview(b"x" * 100))  # the arena takes its first step of space
         assert slot is not None and _space(arena) == arena.data_start + step
         assert m.view(slot.offset, 100, slot.gen) is not None  # sees the mark move
-        assert m.populator.wait(30) and m.populator.done == step
+        m.populator.wait(30)
+        if not m.populator.enabled:
+            pytest.skip("this kernel refuses MADV_POPULATE_WRITE (Linux before 5.14)")
+        assert m.populator.done == step
         held = _rss(m.populator._base)
         assert step <= held <= step + arena.data_start  # the held part, and the header/table
         assert _space(arena) == arena.data_start + step  # no byte of /dev/shm more: sparse
