@@ -335,16 +335,16 @@ class HiCacheServerBackend(StorageBackend):
         if src is None:
             return None
         head = bytes(src[:HEADER_BYTES])
-        judged: list[RecordHeader] = []
-
-        def verify() -> RecordHeader:
-            judged.append(verify_head(head, key, n))
-            return judged[0]
-
-        problem = self._judge(key, verify, accept)
+        header: RecordHeader | None = None
+        try:
+            header = verify_head(head, key, n)
+        except StorageCorrupt as e:
+            problem: str | None = str(e)
+        if header is not None:
+            problem = self._judge(key, header, accept)
         if not store.current(off, gen):
             return None  # the header changed under us: that verdict is void
-        if problem is not None:
+        if header is None or problem is not None:
             return Checked(n, problem)  # the parts are untouched
         scatter(src, parts)
         if not store.current(off, gen):
@@ -352,19 +352,14 @@ class HiCacheServerBackend(StorageBackend):
         # The header judged above is the one copied (compared byte for byte), so the verdict
         # holds for the copy; what is left to check is the checksum over the parts.
         try:
-            verify_copied_parts(parts, head, judged[0].version)
+            verify_copied_parts(parts, head, header.version)
         except StorageCorrupt as e:
             return Checked(n, str(e))
         return Checked(n, None)
 
-    def _judge(self, key: str, verify: Callable[[], RecordHeader],
-               accept: HeaderCheck | None) -> str | None:
-        """Why the record `verify` checks is not wanted (corrupt, another namespace, refused by
+    def _judge(self, key: str, header: RecordHeader, accept: HeaderCheck | None) -> str | None:
+        """Why a record with this valid `header` is not wanted (another namespace, refused by
         `accept`), or None."""
-        try:
-            header = verify()
-        except StorageCorrupt as e:
-            return str(e)
         if self._namespace and header.namespace != self._namespace:
             return "record is from another namespace"
         return accept(key, header) if accept is not None else None

@@ -65,6 +65,15 @@ def _load_libc() -> ctypes.CDLL | None:
 _libc = _load_libc()
 
 
+def mapping_address(mm: mmap.mmap) -> int:
+    """Where `mm` is mapped in this process (the buffer export is let go at once)."""
+    c = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
 class Populator:
     """Fills this process's page tables for the part of the server's arena that has tmpfs
     space (the mark at `ALLOCATED_AT` in its header), on a background thread, as the mark
@@ -75,9 +84,7 @@ class Populator:
     5.14): pages then fault in as they are first touched, as before."""
 
     def __init__(self, mm: mmap.mmap, data_start: int, mark: memoryview) -> None:
-        c = ctypes.c_char.from_buffer(mm)  # the mapping's address (the export is let go at once)
-        self._base = ctypes.addressof(c)
-        del c
+        self._base = mapping_address(mm)
         self._mm = mm  # kept mapped while the thread runs
         self._start = data_start
         self._limit = len(mm) - data_start  # data bytes mapped
