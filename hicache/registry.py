@@ -1,8 +1,10 @@
 """The backend registry: backend names -> factories (entry points, run-time registrations).
 
 Backends are found through the ``hicache.storage_backends`` entry-point group and imported only
-when asked for; `memory` (hicache.memory_backend) is also known by module path, so it works
-from a source tree whose package metadata is not installed. A name of the form `module:Class`
+when asked for; `memory` (hicache.memory_backend) is also known by module path. A source tree
+whose package metadata is not installed (run in place from ``PYTHONPATH``) has no entry points:
+there the names the tree's `storage_backends` package lists (`storage_backends.BACKENDS`, looked up
+by name, never imported from here otherwise) are found too. A name of the form `module:Class`
 loads that class directly (a third-party backend without an entry point).
 """
 
@@ -19,6 +21,9 @@ from hicache.errors import ConfigError
 ENTRY_POINT_GROUP = "hicache.storage_backends"
 # Built-in backends by "module:attribute" (imported lazily; no import edge to them here).
 _BUILTIN = {"memory": "hicache.memory_backend:MemoryBackend"}
+# The package whose `BACKENDS` table ("name" -> "module:attribute") stands in for entry points
+# that are not installed (a source tree on PYTHONPATH).
+SOURCE_TREE_PACKAGE = "storage_backends"
 
 BackendFactory = Callable[[StorageConfig], StorageBackend]
 _registered: dict[str, BackendFactory] = {}
@@ -35,11 +40,20 @@ def _entry_points() -> dict[str, metadata.EntryPoint]:
     return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def _source_tree() -> dict[str, str]:
+    """`storage_backends.BACKENDS` when that package is importable (else nothing)."""
+    try:
+        table = importlib.import_module(SOURCE_TREE_PACKAGE).BACKENDS
+    except (ImportError, AttributeError):
+        return {}
+    return dict(table)
+
+
 def known_backends() -> list[str]:
     """Every backend name that `create_backend` accepts."""
     with _registry_lock:
         names = set(_registered)
-    return sorted(names | set(_entry_points()) | set(_BUILTIN))
+    return sorted(names | set(_entry_points()) | set(_source_tree()) | set(_BUILTIN))
 
 
 def _load(spec: str) -> BackendFactory:
@@ -63,12 +77,13 @@ def get_backend_class(name: str) -> BackendFactory:
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"storage backend {name!r} cannot be loaded: {e}") from e
     eps = _entry_points()
-    if name not in eps:
+    tree = _source_tree() if name not in eps else {}
+    if name not in eps and name not in tree:
         raise ConfigError(
             f"unknown storage backend {name!r}; known: {', '.join(known_backends())}"
         )
     try:
-        factory: BackendFactory = eps[name].load()
+        factory: BackendFactory = eps[name].load() if name in eps else _load(tree[name])
     except ImportError as e:
         raise ConfigError(
             f"storage backend {name!r} is installed but cannot be imported ({e}); "

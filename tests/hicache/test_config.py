@@ -41,3 +41,34 @@ def test_unknown_backend_lists_known():
     for name in ("file", "memory", "redis"):
         assert name in str(e.value)
     assert "memory" in known_backends()
+
+
+def test_source_tree_backends_equal_the_entry_points():
+    """`storage_backends.BACKENDS` (the stand-in for uninstalled metadata) names exactly the
+    distribution's entry points."""
+    from pathlib import Path
+
+    import tomllib
+
+    import storage_backends
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    eps = dict(project["project"]["entry-points"]["hicache.storage_backends"])
+    assert eps.pop("memory") == "hicache.memory_backend:MemoryBackend"
+    assert eps == storage_backends.BACKENDS
+
+
+def test_backends_found_by_name_without_installed_metadata(monkeypatch: pytest.MonkeyPatch):
+    """A source tree run in place (no entry points installed: the H200 run of issue 29 failed
+    every `file`-backed engine test on 'unknown storage backend') finds the tree's backends."""
+    from hicache import registry
+    from storage_backends.file_backend import FileBackend
+
+    monkeypatch.setattr(registry, "_entry_points", dict)
+    monkeypatch.setattr(registry, "_registered", {})  # (other tests' run-time registrations)
+    assert registry.get_backend_class("file") is FileBackend
+    assert registry.known_backends() == sorted(
+        ["file", "hf3fs", "hicache", "lmcache", "memory", "mooncake", "redis"])
+    monkeypatch.setattr(registry, "SOURCE_TREE_PACKAGE", "no_such_package")
+    with pytest.raises(ConfigError, match="unknown storage backend 'file'; known: memory"):
+        registry.get_backend_class("file")
