@@ -165,7 +165,9 @@ def test_auto_takes_triton_only_after_its_self_check(monkeypatch: pytest.MonkeyP
     from engine.attention import triton_kernels
     from engine.attention.triton_backend import triton_self_check
 
-    pool = DeviceKVPool(num_pages=4, page_size=16, num_layers=1, kv_heads=2, head_dim=HEAD_DIM)
+    # The pool on the device the kernels run on (CPU only under the interpreter, set without CUDA).
+    pool = DeviceKVPool(num_pages=4, page_size=16, num_layers=1, kv_heads=2, head_dim=HEAD_DIM,
+                        device=DEV)
     scale = HEAD_DIM**-0.5
     assert triton_self_check(pool, 4, HEAD_DIM, scale) is None
     monkeypatch.setattr(attention, "resolve_attention_backend", lambda name, dev: "triton")

@@ -69,7 +69,9 @@ def test_captured_decode_forward_has_no_host_sync(checkpoint_factory: Callable[.
     from engine.model_runner import ModelRunner
     from engine.models import load_model
 
-    dev = torch.device("cpu")
+    # The kernels' device: CPU runs them under Triton's interpreter, which tests/conftest.py
+    # turns on only where there is no CUDA (with CUDA, a CPU pool would reach compiled kernels).
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = checkpoint_factory("llama", with_tokenizer=False, layers=2)
     model = load_model(path, device=dev)
     runner = ModelRunner(model, num_pages=24, page_size=4, dtype=torch.float32, device=dev,

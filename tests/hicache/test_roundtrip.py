@@ -9,15 +9,16 @@ from hicache.config import HiCacheConfig
 from hicache.hiradix import HiRadixCache
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool
-from hicache.storage import StorageConfig
+from hicache.storage import StorageConfig, create_backend
 from tests.hicache.factories import tensor_cache
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
 def kv_of(cache, pages):
+    """The KV of `pages` as bytes (on the host): compared bit for bit, NaN patterns included."""
     pool = cache.device_pool
-    return pool.kv[:, :, pool.slots(pages)].clone()
+    return pool.kv[:, :, pool.slots(pages)].contiguous().view(torch.uint8).cpu()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -32,27 +33,46 @@ def test_round_trip_all_tiers(layout, io_backend, dtype, synchronous):
     check_all_tiers(cache, dtype)
 
 
-def cuda_cache(layout: str, io_backend: str, dtype: torch.dtype, synchronous: bool, shared: str):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_round_trip_through_page_files(layout, dtype, tmp_path):
+    """The same through the `file` backend (records on disk), fp8 included."""
+    cache = tensor_cache(mem_layout=layout, dtype=dtype, synchronous=False,
+                         storage=create_backend("file", StorageConfig(
+                             extra={"path": str(tmp_path / "pages")})))
+    check_all_tiers(cache, dtype)
+
+
+def cuda_cache(layout: str, io_backend: str, dtype: torch.dtype, synchronous: bool, shared: str,
+               storage: str = "memory", extra: dict | None = None):
+    """A tiered cache with its device pool on CUDA, over the L3 backend `storage` (by name:
+    `memory` shared under `shared`, or `file` with `extra`'s path)."""
     config = HiCacheConfig(page_size=4, mem_layout=layout, io_backend=io_backend,
                            synchronous=synchronous, prefetch_threshold=0, load_back_threshold=0)
     pool = DeviceKVPool(num_pages=16, page_size=4, num_layers=2, kv_heads=2, head_dim=4,
                         dtype=dtype, device="cuda")
-    return HiRadixCache(config, device_pool=pool, num_host_pages=32,
-                        storage=MemoryBackend(StorageConfig(extra={"shared": shared})))
+    backend = create_backend(storage, StorageConfig(extra=extra or {"shared": shared}))
+    return HiRadixCache(config, device_pool=pool, num_host_pages=32, storage=backend)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("storage", ["memory", "file"])
 @pytest.mark.parametrize("synchronous", [True, False])
-def test_gpu_round_trip_all_tiers(layout, io_backend, synchronous):
+def test_gpu_round_trip_all_tiers(layout, io_backend, dtype, storage, synchronous, tmp_path):
     """The same round trip with the device pool on CUDA: pinned host pool, copies on the write
-    and load streams, write acks from events."""
-    shared = f"gpu-rt-{layout}-{io_backend}-{synchronous}"
-    cache = cuda_cache(layout, io_backend, torch.bfloat16, synchronous, shared)
+    and load streams, write acks from events; every layout x io backend x dtype, through the
+    in-process store and through page files. Bit for bit."""
+    if io_backend == "kernel":
+        pytest.importorskip("triton")
+    shared = f"gpu-rt-{layout}-{io_backend}-{dtype}-{synchronous}"
+    extra = {"path": str(tmp_path / "pages")} if storage == "file" else None
+    cache = cuda_cache(layout, io_backend, dtype, synchronous, shared, storage, extra)
     assert cache.host_pool.buffer.is_pinned()
-    check_all_tiers(cache, torch.bfloat16)
+    check_all_tiers(cache, dtype)
 
 
 @pytest.mark.gpu
@@ -68,7 +88,7 @@ def test_gpu_async_write_through_under_eviction():
         pages = cache.alloc_device(4)
         pool.kv[:, :, pool.slots(pages)] = torch.randn(
             pool.kv[:, :, pool.slots(pages)].shape, device="cuda").to(torch.bfloat16)
-        kv[i] = pool.kv[:, :, pool.slots(pages)].clone()
+        kv[i] = pool.kv[:, :, pool.slots(pages)].contiguous().view(torch.uint8).clone()
         cache.insert(tokens, pages)
         # The next "forward" overwrites other device memory on the compute stream meanwhile.
         pool.kv[:, :, pool.slots([15])] += 1  # (page 15 is never allocated here)
@@ -81,7 +101,7 @@ def test_gpu_async_write_through_under_eviction():
     for i in range(3):
         acq = cache.acquire(list(range(100 * i, 100 * i + 16)))
         assert acq.host_hit_tokens == 16
-        assert torch.equal(kv_of(cache, acq.device_pages), kv[i])
+        assert torch.equal(kv_of(cache, acq.device_pages), kv[i].cpu())
         cache.release(acq.node)
     cache.flush()
     cache.check_integrity(0)
@@ -92,8 +112,12 @@ def check_all_tiers(cache, dtype):
     tokens = list(range(1000, 1024))  # 6 pages of 4
     pool = cache.device_pool
     pages = cache.alloc_device(6)
-    shape = pool.kv[:, :, pool.slots(pages)].shape
-    pool.kv[:, :, pool.slots(pages)] = torch.randn(shape, device=pool.device).to(dtype)
+    # Random bit patterns of every byte value (NaN and inf encodings too), written as bytes.
+    raw = pool.kv.view(torch.uint8)
+    shape = raw[:, :, pool.slots(pages)].shape
+    g = torch.Generator().manual_seed(3)
+    raw[:, :, pool.slots(pages)] = torch.randint(0, 256, shape, dtype=torch.uint8,
+                                                 generator=g).to(pool.device)
     original = kv_of(cache, pages)
     cache.insert(tokens, pages)
     cache.flush()
