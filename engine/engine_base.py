@@ -95,6 +95,13 @@ class EngineBase:
         args = self.args
         if self.device.type == "cuda":
             base = self.device.index or 0
+            visible = torch.cuda.device_count()
+            if base + args.tp_size > visible:
+                # One GPU per rank, as in SGLang: NCCL refuses two ranks on one device.
+                raise ConfigError(
+                    f"tp_size {args.tp_size} needs {args.tp_size} CUDA devices from cuda:{base}; "
+                    f"{visible} visible (CUDA_VISIBLE_DEVICES); use fewer ranks or --device cpu"
+                )
             self.device = torch.device("cuda", base + self.tp_rank)
         if self.tp_rank == 0:
             init_method = f"tcp://127.0.0.1:{args.nccl_port or free_port()}"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.engine import Engine
 from tests.engine.test_server_api import EngineServer, pid_alive, wait_gone
@@ -20,7 +21,10 @@ from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 
 pytestmark = pytest.mark.slow
 
-TP_FLAGS = ["--tp-size", "2", "--enable-tp-state-check", "--dist-timeout", "60"]
+# One GPU per rank: with fewer than two, both ranks (and the reference) run on the CPU.
+TP_DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"
+TP_FLAGS = ["--tp-size", "2", "--enable-tp-state-check", "--dist-timeout", "60",
+            "--device", TP_DEVICE]
 
 
 def _children(pid: int) -> list[int]:
@@ -67,7 +71,7 @@ def test_tp2_servers_share_l3_and_match_tp1(tmp_path: Path) -> None:
         assert all(r["storage"]["get_hits"] >= want for r in sb["ranks"])
         assert all(r["corrupt_pages"] == 0 for r in sb["ranks"])
         # The same tokens as one rank with no cache at all.
-        with Engine(disable_radix_cache=True, max_total_tokens=16384) as ref:
+        with Engine(disable_radix_cache=True, max_total_tokens=16384, device=TP_DEVICE) as ref:
             expect = ref.generate(input_ids=ref.tokenizer.encode(LONG_PROMPT),
                                   sampling_params={"max_new_tokens": 12, "ignore_eos": True})
         assert out_a["output_ids"] == expect[0]["output_ids"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.engine import Engine
 from engine.tp import RankFailure
@@ -25,13 +26,16 @@ from tests.engine.workload import make_sessions, run_sessions
 pytestmark = pytest.mark.slow
 
 PS = 8
+# One GPU per rank (NCCL refuses two ranks on one device): with fewer than two GPUs every engine
+# of this module, the TP=1 references included, runs on the CPU, so outputs compare like for like.
+TP_DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"
 PARAMS = {"max_new_tokens": 6, "ignore_eos": True}
 FAULTY = "tests.engine.tp_faults:RankFaultyFileBackend"
 
 
 def _args(model: Path, **kw: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"model_path": str(model), "page_size": PS, "max_total_tokens": 2048,
-                            "random_seed": 1}
+                            "random_seed": 1, "device": TP_DEVICE}
     if kw.get("tp_size", 1) > 1:
         base.update(enable_tp_state_check=True, dist_timeout=60)
     base.update(kw)
@@ -244,3 +248,14 @@ def test_mla_tp2_writes_l3_once_and_every_rank_reads_it(
     with Engine(**_args(mla_model, tp_size=2, enable_hierarchical_cache=True,
                         max_total_tokens=512)) as e:
         assert run_sessions(e, sessions) == expect
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not 0 < torch.cuda.device_count() < 2, reason="needs exactly one GPU")
+def test_tp_on_too_few_gpus_is_refused_with_the_count(tiny_model: Path) -> None:
+    """Two ranks on one GPU: a clear ConfigError before any rank starts (NCCL would refuse two
+    ranks on one device, or rank 1 would ask for a cuda:1 that does not exist)."""
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tp_size 2 needs 2 CUDA devices from cuda:0; 1 visible"):
+        Engine(**{**_args(tiny_model, tp_size=2), "device": "cuda"})
