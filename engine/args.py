@@ -24,6 +24,7 @@ from hicache.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Keys of --hicache-storage-backend-extra-config that tune the cache itself (as in SGLang);
 # they are taken out before the rest goes to the backend.
@@ -60,6 +61,8 @@ class EngineArgs:
     model_path: str | None = None
     # Tokenizer directory when it differs from the model path.
     tokenizer_path: str | None = None
+    # Weights: auto (the checkpoint's safetensors) or dummy (random weights made on the device from config.json alone, seeded by random_seed: a model's real shape without its checkpoint, for benchmarks; --model-path may then name a shipped config, e.g. llama-3.1-8b).
+    load_format: str = "auto"
     # Name of the model in the namespace of cached pages; default: a fingerprint of the checkpoint.
     model_id: str | None = None
     # Tokens per KV page (one L3 record per page).
@@ -150,6 +153,10 @@ class EngineArgs:
 
         check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         check(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        check(
+            self.load_format in LOAD_FORMATS,
+            f"unknown load_format {self.load_format!r}; known: {', '.join(LOAD_FORMATS)}",
+        )
         check(
             self.attention_backend in ATTENTION_BACKENDS,
             f"unknown attention_backend {self.attention_backend!r}; "

@@ -24,6 +24,7 @@ from hicache.eviction import EVICTION_POLICIES
 # Fields whose valid values EngineArgs (or the core) checks against a fixed list.
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": args_mod.DTYPES,
+    "load_format": args_mod.LOAD_FORMATS,
     "attention_backend": args_mod.ATTENTION_BACKENDS,
     "schedule_policy": args_mod.SCHEDULE_POLICIES,
     "hicache_host_memory_mode": args_mod.HOST_MEMORY_MODES,
@@ -41,7 +42,8 @@ _HELP_OVERRIDES: dict[str, str] = {
     "api_key": "Require 'Authorization: Bearer KEY' on every endpoint but /health.",
     "model_path": "Hugging Face checkpoint directory (config.json + safetensors); "
     "default (or hicache-demo): the embedded demo model; hicache-demo-mla: its DeepSeek-V3-shaped "
-    "variant (MLA + MoE).",
+    "variant (MLA + MoE). With --load-format dummy also a directory holding only config.json, or "
+    "a shipped config: llama-3.1-8b, qwen2.5-7b, deepseek-v2-lite.",
 }
 
 
