@@ -5,7 +5,11 @@ Supported deployment: LMCache's standalone server (`lmcache_server HOST PORT cpu
 package's own message classes (`lmcache.v1.protocol.ClientMetaMessage` /
 `ServerMetaMessage`) and keys (`lmcache.utils.CacheEngineKey`), so what we store is an ordinary
 LMCache object: each page record is a `BINARY` object of `uint8` under the key
-`hc{namespace[:16]}g{generation}@{tp_size}@{tp_rank}@{page key}@uint8`.
+`hc{namespace[:16]}g{generation}@1@0@{page key}@uint8`. The key's world size and worker id
+are always 1 and 0: the page key already names the shard (its chain starts from the namespace
+seed, which holds the TP rank where ranks hold different KV, and not for MLA, whose ranks hold
+the same KV), so ranks that share pages share objects, and rank 1 of an MLA model reads what
+rank 0 wrote.
 
 Why not LMCache's `LMCServerConnector`: it needs an LMCache engine around it (a
 `LocalCPUBackend` allocating `MemoryObj`s, an asyncio loop) and keeps one socket behind one lock.
@@ -240,9 +244,9 @@ class LMCacheBackend(StorageBackend):
             chunk = int(key, 16)
         except ValueError:
             chunk = int.from_bytes(hashlib.sha256(key.encode()).digest(), "big")
+        # World size 1, worker 0 on every rank: the page key names the shard (module doc).
         return self._lm.CacheEngineKey(
-            f"{self._model}g{gen}{'p' if presence else ''}", self.config.tp_size,
-            self.config.tp_rank, chunk, self._lm.torch.uint8,
+            f"{self._model}g{gen}{'p' if presence else ''}", 1, 0, chunk, self._lm.torch.uint8,
         )
 
     def _put_all(self, conn: _Conn, gen: int, keys: Sequence[str],

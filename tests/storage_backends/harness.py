@@ -47,7 +47,12 @@ def discover() -> list[Harness]:
 
 
 def config(extra: dict[str, Any] | None = None, record_bytes: int = 0) -> StorageConfig:
-    return StorageConfig(extra=extra or {}, namespace="00" * 32, record_bytes=record_bytes)
+    """The `StorageConfig` of a harness's backend. `tp_rank` / `tp_size` in `extra` (a test
+    standing for another rank of the same deployment) go to the config's fields, not `extra`."""
+    extra = dict(extra or {})
+    rank, size = int(extra.pop("tp_rank", 0)), int(extra.pop("tp_size", 1))
+    return StorageConfig(extra=extra, namespace="00" * 32, record_bytes=record_bytes,
+                         tp_rank=rank, tp_size=size)
 
 
 
