@@ -61,22 +61,26 @@ cat "$OUT/env.txt"
 
 if [ "$INSTALL" = 1 ]; then
   step install 60 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+  # The test suite's packages that the GPU machine lacks, carried with the tree
+  # (scripts/gpu_wheels.sh makes .gpu-wheels/; the device tool's carry brings it).
+  if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
+    step wheels 60 "$PY" -m pip install -q --no-deps --no-index .gpu-wheels/*.whl
+  fi
 fi
 
 # -- the gpu tests ---------------------------------------------------------------------------
-GPU_TESTS="tests/hicache/test_transfer.py tests/hicache/test_roundtrip.py tests/hicache/test_transfer_layerwise.py"
-for f in tests/engine/test_attention_*.py tests/engine/test_mla_attention_triton.py tests/engine/test_models.py; do
-  [ -f "$f" ] && GPU_TESTS="$GPU_TESTS $f"
-done
+# Every test file with a `gpu`-marked test (they run here, one process, before the suites: the
+# slowed-stream ordering tests want the GPU to themselves).
+GPU_TESTS=$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort | tr '\n' ' ')
 if [ "${GPU_CHECK_STANDIN:-0}" != 1 ] && "$PY" -c "import pytest" 2>/dev/null; then
   # shellcheck disable=SC2086
   # -v: each test's name as it ends (a step cut at its limit shows where); -rfE: the failures
   # again at the end, within the log tail printed here; the ten slowest, to size the next run.
-  step gpu_tests 180 "$PY" -m pytest -m gpu -v -rfE --durations=10 -p no:cacheprovider \
+  step gpu_tests 150 "$PY" -m pytest -m gpu -v -rfE --durations=10 -p no:cacheprovider \
     -o addopts="" $GPU_TESTS
 else
   # shellcheck disable=SC2086
-  step gpu_tests 180 "$PY" - $GPU_TESTS <<'PYEOF'
+  step gpu_tests 150 "$PY" - $GPU_TESTS <<'PYEOF'
 """Run the tests of the given files marked $GPU_CHECK_MARK (default `gpu`) without pytest: a
 minimal stand-in for what those tests use (marks, parametrize and pytest.param, skip/skipif,
 importorskip, raises, approx, fail; fixtures of the test module and of every conftest.py above
@@ -508,6 +512,29 @@ def main(paths):
 
 sys.exit(main(sys.argv[1:]))
 PYEOF
+fi
+
+# -- every suite with CUDA present -----------------------------------------------------------
+# pytest-xdist workers share the GPU (each process sees HICACHE_GPU_SHARE of it through
+# scripts/gpu_share/sitecustomize.py, so the engines' KV pools fit side by side); a per-test
+# time limit; scripts/gpu_report.py writes each test's outcome as it ends, so a run cut at its
+# limit still reports, and prints the summary: counts, each failure's id and first line, and why
+# tests skipped. Tests needing what this machine cannot run (redis-server, Mooncake, LMCache,
+# SGLang, smg) skip with their reason.
+SUITES=${GPU_CHECK_SUITES:-tests}
+if [ "$QUICK" = 1 ]; then SUITES=${GPU_CHECK_SUITES:-tests/hicache}; fi
+if "$PY" -c "import pytest, xdist, pytest_timeout" 2>/dev/null; then
+  WORKERS=${GPU_CHECK_WORKERS:-12}
+  : >"$OUT/suites.tsv"
+  # shellcheck disable=SC2086
+  GPU_REPORT="$OUT/suites.tsv" HICACHE_GPU_SHARE=${HICACHE_GPU_SHARE:-$(awk "BEGIN{print 0.9/$WORKERS}")} \
+    PYTHONPATH="$ROOT/scripts/gpu_share:$ROOT/scripts:$PYTHONPATH" \
+    step suites "${GPU_CHECK_SUITES_S:-240}" "$PY" -m pytest -p gpu_report -p no:cacheprovider \
+    -n "$WORKERS" --timeout 240 -q -o addopts="--strict-markers" -rN -m "not gpu" $SUITES
+  "$PY" scripts/gpu_report.py "$OUT/suites.tsv" | tee "$OUT/suites_summary.txt"
+else
+  echo "== suites: skipped (needs pytest, pytest-xdist and pytest-timeout: scripts/gpu_wheels.sh)"
+  STATUS=1
 fi
 
 # -- benchmarks ------------------------------------------------------------------------------

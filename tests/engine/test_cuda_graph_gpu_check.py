@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
@@ -147,19 +149,51 @@ def test_standin_runs_marked_tests_with_fixtures(tmp_path: Path) -> None:
 def test_standin_imports_every_gpu_test_module_on_cpu() -> None:
     """The real gpu test modules import under the stand-in (on CPU every gpu test is skipped by
     its skipif, none fails, none is missing)."""
-    text = SCRIPT.read_text()
-    m = re.search(r'GPU_TESTS="([^"]*)"', text)
-    assert m is not None
-    files = m.group(1).split() + sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "engine").glob("test_attention_*.py"))
-    files.append("tests/engine/test_models.py")
+    # The files the script picks: every test module with a `gpu`-marked test.
+    assert "GPU_TESTS=$(grep -rl --include='test_*.py' 'mark.gpu' tests" in SCRIPT.read_text()
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+    assert "tests/hicache/test_stream_order.py" in files
     res = run_standin(ROOT, files)
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     assert "FAILED" not in out and " 0 failed" in out
     skipped = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
-    assert all(ln.endswith("needs a CUDA device") for ln in skipped), skipped
+    assert all(ln.endswith(("needs a CUDA device", "needs exactly one GPU")) for ln in skipped), skipped
     ran = {ln.split("::")[1].split("{")[0].split(":")[0] for ln in skipped}
     assert {"test_capture_and_replay_equal_eager", "test_gpu_round_trip_is_bit_exact",
             "test_gpu_layerwise_load_gives_the_same_logits", "test_gpu_round_trip_all_tiers",
-            "test_gpu_layerwise_forward_waits_per_layer"} <= ran
+            "test_gpu_layerwise_forward_waits_per_layer",
+            "test_forward_reads_each_layer_only_after_its_slowed_load",
+            "test_all_tiers_bit_exact_with_every_copy_slowed"} <= ran
+
+
+def test_suite_report_lists_each_failure_with_its_first_line(tmp_path: Path) -> None:
+    """scripts/gpu_report.py (the suites step's plugin) under pytest-xdist: one line per test,
+    written by the controller only, and a summary of counts, failures and skip reasons."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_mixed.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert 1\n"
+        "def test_bad():\n    x = 2\n    assert x == 3, 'two is not three'\n"
+        "@pytest.mark.skip(reason='needs redis-server')\ndef test_skip():\n    pass\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no device')\n"
+        "def test_error(broken):\n    pass\n")
+    report = tmp_path / "report.tsv"
+    env = {**os.environ, "GPU_REPORT": str(report),
+           "PYTHONPATH": f"{ROOT / 'scripts'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_report", "-p", "no:cacheprovider",
+                    "-n", "2", "-q", "-o", "addopts=", "test_mixed.py"],
+                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), str(report)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stdout.splitlines() == [
+        "1 error, 1 failed, 1 passed, 1 skipped",
+        "FAILED test_mixed.py::test_bad",  # (by test id, whatever order they finished in)
+        "    AssertionError: two is not three",
+        "ERROR test_mixed.py::test_error",
+        "    RuntimeError: no device",
+        "skip reasons:",
+        "     1  needs redis-server",
+    ]
