@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,9 +16,10 @@ from engine.demo_model import resolve_model_path
 from engine.distributed import TPGroup, destroy_tp_group, init_tp_group
 from engine.model_runner import ModelRunner
 from engine.models.config import kv_bytes_per_token
+from engine.models.dummy import dummy_fingerprint, shipped_config_dir
 from engine.models.loader import load_model, model_fingerprint
 from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from engine.tp import RankFailure, RankProcesses, free_port
 from hicache.errors import ConfigError
 from hicache.hiradix import HiRadixCache
@@ -53,6 +55,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
 
 
+def resolve_model(model_path: str | None) -> Path:
+    """The directory `--model-path` names: a directory, a shipped config's name
+    (`llama-3.1-8b`: `engine/model_configs/`, for `--load-format dummy`) or a demo model's."""
+    if model_path and not Path(model_path).exists():
+        shipped = shipped_config_dir(model_path)
+        if shipped is not None:
+            return shipped
+    return resolve_model_path(model_path)
+
+
 class EngineBase:
     """Construction of an `Engine` (model, pools, cache, scheduler; the tensor-parallel group
     and its rank processes) and what the rest of it reads."""
@@ -70,7 +82,7 @@ class EngineBase:
         self._ranks: RankProcesses | None = None
         self.tp = TPGroup.solo()
         self.sync: RankSync = SOLO
-        self.model_path = resolve_model_path(args.model_path)
+        self.model_path = resolve_model(args.model_path)
         self.device = resolve_device(args.device)
         if args.tp_size > 1:
             self._start_tp(init_method)
@@ -156,11 +168,19 @@ class EngineBase:
             self.context_length = cfg.sliding_window
         self.model = load_model(
             self.model_path, dtype=self.dtype, device=self.device,
-            context_length=self.context_length, tp=self.tp,
+            context_length=self.context_length, tp=self.tp, load_format=args.load_format,
+            seed=args.random_seed,
         )
         self.model_config = cfg
-        self.tokenizer = Tokenizer(args.tokenizer_path or self.model_path)
-        self.model_id = args.model_id or model_fingerprint(self.model_path)
+        dummy = args.load_format == "dummy"
+        # A dummy model over a config alone may have no tokenizer: token ids in and out.
+        self.tokenizer: Tokenizer | NoTokenizer = load_tokenizer(
+            args.tokenizer_path or self.model_path, optional=dummy and not args.tokenizer_path
+        )
+        self.model_id = args.model_id or (
+            dummy_fingerprint(self.model_path, args.random_seed, self.device) if dummy
+            else model_fingerprint(self.model_path)
+        )
         ps = args.page_size
         # Page ids are shared by every rank's pool: all ranks take the smallest pool any can.
         num_pages = self.sync.agree_min(self._num_device_pages(cfg))[0]

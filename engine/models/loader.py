@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from engine.distributed import TPGroup
 from engine.models.config import ModelConfig
+from engine.models.dummy import init_dummy_weights
 from engine.models.parallel import Piece, TPModel
 from hicache.errors import ConfigError
 
@@ -36,7 +37,8 @@ def weight_files(path: str | Path) -> list[Path]:
     else:
         files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"no safetensors weights in {root}")
+        raise ConfigError(f"no safetensors weights in {root} (random weights from its "
+                          "config.json alone: --load-format dummy)")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ConfigError(f"checkpoint shards missing: {', '.join(missing)}")
@@ -102,18 +104,18 @@ def _read(sl: Any, piece: Piece, name: str) -> torch.Tensor:
     return t
 
 
-def load_model(
-    path: str | Path,
+def build_model(
+    cfg: ModelConfig,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     context_length: int | None = None,
     tp: TPGroup | None = None,
 ) -> TPModel:
-    """This rank's shard of the checkpoint at `path` (the whole model with `tp` solo / None):
-    `LlamaForCausalLM` or `DeepseekForCausalLM`, in `dtype` on `device`, in eval mode."""
+    """This rank's shard of the model of `cfg` with uninitialised parameters in `dtype`
+    (routers in float32) on `device`, its computed buffers (RoPE) filled. On `meta` nothing is
+    allocated: the shapes of a model of any size."""
     tp = tp or TPGroup.solo()
-    cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, context_length, tp).to(dtype)
         for name, p in model.named_parameters():
@@ -126,6 +128,46 @@ def load_model(
         reset = getattr(module, "reset_buffers", None)
         if reset is not None:
             reset(ctx)
+    return model
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    context_length: int | None = None,
+    tp: TPGroup | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> TPModel:
+    """This rank's shard of the checkpoint at `path` (the whole model with `tp` solo / None):
+    `LlamaForCausalLM` or `DeepseekForCausalLM`, in `dtype` on `device`, in eval mode.
+    `load_format="dummy"`: from `path/config.json` alone, random weights drawn on the device
+    from `seed` (`engine.models.dummy`)."""
+    tp = tp or TPGroup.solo()
+    cfg = ModelConfig.from_dir(path)
+    model = build_model(cfg, dtype=dtype, device=device, context_length=context_length, tp=tp)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        model.tie_weights()
+    elif load_format == "auto":
+        _load_weights(model, cfg, path, device, tp)
+    else:
+        raise ConfigError(f"unknown load_format {load_format!r}; known: auto, dummy")
+    model.eval()
+    model.requires_grad_(False)
+    logger.info(
+        "%s %s (%s, %d layers, hidden %d) as %s on %s, tp rank %d of %d",
+        "built random-weight (dummy)" if load_format == "dummy" else "loaded", path,
+        cfg.model_type, cfg.num_layers, cfg.hidden_size, dtype, device, tp.rank, tp.size,
+    )
+    return model
+
+
+def _load_weights(
+    model: TPModel, cfg: ModelConfig, path: str | Path, device: str | torch.device, tp: TPGroup
+) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set[str]] = {}
     for f in weight_files(path):
@@ -156,10 +198,3 @@ def load_model(
     )
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    model.eval()
-    model.requires_grad_(False)
-    logger.info(
-        "loaded %s (%s, %d layers, hidden %d) as %s on %s, tp rank %d of %d",
-        path, cfg.model_type, cfg.num_layers, cfg.hidden_size, dtype, device, tp.rank, tp.size,
-    )
-    return model
