@@ -17,7 +17,8 @@ PIP=${PIP:-.venv/bin/python -m pip}
 ver() { { $PIP show "$1" 2>/dev/null || true; } | sed -n "s/^Version: //p"; }
 PKGS=(
   pytest-xdist execnet pytest-timeout hypothesis sortedcontainers attrs
-  pyzmq fastapi starlette pydantic pydantic_core annotated-types typing-inspection
+  pyzmq fastapi annotated-doc starlette pydantic pydantic_core annotated-types typing-inspection
+  opentelemetry-api importlib-metadata zipp
   anyio sniffio idna uvicorn h11 click prometheus-client httpx httpcore certifi
   aiofiles rich markdown-it-py mdurl pygments jsonschema jsonschema-specifications referencing
   rpds-py xgrammar openai distro jiter redis tqdm
