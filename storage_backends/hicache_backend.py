@@ -29,7 +29,7 @@ key              meaning                                           default
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
 misses, `batch_set` reports False, each counted in `stats().errors`; a circuit breaker
 (`storage_backends.common.Backoff`) then answers at once without touching the network until the
-next retry. `delete` and `clear` raise `StorageUnavailable` instead (they are administrative and
+next retry. `delete` and the clears raise `StorageUnavailable` instead (they are administrative and
 their caller must know they did not happen). A wrong token is a `ConfigError` at construction
 when the server is reachable then, and a logged, counted failure afterwards.
 
@@ -443,24 +443,35 @@ class HiCacheServerBackend(StorageBackend):
         return rest
 
     def delete(self, keys: Sequence[str]) -> None:
-        if not keys:
-            return
-        try:
-            replies = self._call(
-                [
-                    P.DeleteRequest(keys=list(keys[c.start : c.stop]))
-                    for c in split(len(keys), None, self.batch_keys, self.batch_bytes)
-                ],
-                P.DeleteReply,
-            )
-        except StorageError:
-            self._count(errors=1)
-            raise
-        self._count(deleted_pages=sum(r.deleted for r in replies))
+        reqs = [P.DeleteRequest(keys=list(keys[c.start : c.stop]))
+                for c in split(len(keys), None, self.batch_keys, self.batch_bytes)] if keys else []
+        if reqs:
+            self._count(deleted_pages=sum(r.deleted for r in self._admin(reqs, P.DeleteReply)))
 
     def clear(self) -> None:
+        """Delete this namespace's pages (`config.namespace`) on the server, no others; without
+        a namespace, `ConfigError` (the whole server is the admin's `clear_server`)."""
+        if not self._namespace:
+            raise ConfigError("hicache backend: clear() needs StorageConfig.namespace")
+        self.clear_namespace(self._namespace)
+
+    def clear_namespace(self, namespace: bytes) -> int:
+        """Delete every page whose record names `namespace` (memory and disk); how many."""
+        if len(namespace) != 32:
+            raise ConfigError("hicache backend: a namespace is a 32-byte seed")
+        req = P.ClearNamespaceRequest(namespace=namespace.hex())
+        n = self._admin([req], P.ClearNamespaceReply)[0].deleted
+        self._count(deleted_pages=n)
+        return n
+
+    def clear_server(self) -> None:
+        """Empty the whole server, every namespace (the admin's operation, never an engine's)."""
+        self._admin([P.ClearRequest()], P.ClearReply)
+
+    def _admin(self, reqs: Sequence[P.Request], kind: type[R]) -> list[R]:
+        """`_call` for the administrative operations: a failure is counted, then raised."""
         try:
-            self._call([P.ClearRequest()], P.ClearReply)
+            return self._call(reqs, kind)
         except StorageError:
             self._count(errors=1)
             raise

@@ -35,8 +35,10 @@ from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorC
 # a new client asking an old server to attach gets an error reply and stays on TCP frames.
 # Version 3 adds the shared-memory store (`map_store`, `shm_locate`; server/arena.py).
 # Version 4 adds writes into it (`shm_reserve`, `shm_commit`).
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+# Version 5 adds the namespace-scoped clear (`clear_namespace`); `clear` (every page of every
+# namespace) stays, as the server admin's operation.
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 
 # --------------------------------------------------------------------------------------------
 # Messages
@@ -155,6 +157,28 @@ class ClearRequest(Request):
 @dataclass
 class ClearReply(Reply):
     TYPE: ClassVar[str] = "clear_ok"
+
+
+@dataclass
+class ClearNamespaceRequest(Request):
+    """Delete every page whose record header names this namespace (64 lower-case hex: the
+    32-byte seed), in memory and on disk; other namespaces' pages stay."""
+
+    TYPE: ClassVar[str] = "clear_namespace"
+    namespace: str = ""
+
+    def check(self) -> None:
+        ns = self.namespace
+        if len(ns) != 64 or ns.strip("0123456789abcdef"):
+            raise ProtocolError(ErrorCode.MALFORMED,
+                                "namespace must be 64 lower-case hex characters",
+                                self.request_id)
+
+
+@dataclass
+class ClearNamespaceReply(Reply):
+    TYPE: ClassVar[str] = "clear_namespace_ok"
+    deleted: int = 0
 
 
 @dataclass
@@ -362,6 +386,7 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     ShmLocateRequest,
     ShmReserveRequest,
     ShmCommitRequest,
+    ClearNamespaceRequest,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -379,6 +404,7 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     ShmLocateReply,
     ShmReserveReply,
     ShmCommitReply,
+    ClearNamespaceReply,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -395,7 +421,7 @@ _SINCE: dict[str, int] = {
 } | {c.TYPE: 3 for c in (MapStoreRequest, MapStoreReply, ShmLocateRequest, ShmLocateReply)} | {
     c.TYPE: 4
     for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
-}
+} | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)}
 
 CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,
                wire_names={"request_id": "id", "token": "auth"})

@@ -382,6 +382,10 @@ class HiCacheServer:
             self.tiers.clear()
             logger.info("cleared by a client")
             return P.ClearReply(request_id=rid)
+        if isinstance(req, P.ClearNamespaceRequest):
+            n = self.tiers.clear_namespace(bytes.fromhex(req.namespace))
+            logger.info("namespace %s… cleared by a client (%d pages)", req.namespace[:16], n)
+            return P.ClearNamespaceReply(request_id=rid, deleted=n)
         if isinstance(req, P.StatsRequest):
             return P.StatsReply(request_id=rid, stats=self.stats())
         if isinstance(req, P.PingRequest):

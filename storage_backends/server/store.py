@@ -7,8 +7,11 @@ same-host clients read in place (`storage_backends.server.arena`).
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import logging
 import os
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+from hicache.codec import RECORD_MAGIC
 from hicache.lru import LRUByteStore
 from storage_backends.server.arena import Arena, ArenaSlot
 
@@ -30,6 +34,19 @@ logger = logging.getLogger(__name__)
 
 def nbytes(value: Value) -> int:
     return value.nbytes if isinstance(value, memoryview) else len(value)
+
+
+# Where a page record names its namespace (hicache.codec: magic 4s, version H, header_len H,
+# then the 32-byte namespace seed), read by the namespace-scoped clear.
+_NS_AT = struct.calcsize("<4sHH")
+_NS_END = _NS_AT + 32
+
+
+def in_namespace(head: memoryview | bytes, namespace: bytes) -> bool:
+    """Whether the record starting with `head` is a page record of `namespace` (bytes that
+    are not a record, or too short to be one, are in none)."""
+    return (len(head) >= _NS_END and bytes(head[:4]) == RECORD_MAGIC
+            and bytes(head[_NS_AT:_NS_END]) == namespace)
 
 
 @dataclass
@@ -156,6 +173,16 @@ class PageStore:
         with self._lock:
             self._drop([self._lru[k] for k in self._lru])
             self._lru.clear()
+
+    def clear_namespace(self, namespace: builtins.bytes) -> int:
+        """Drop every record of `namespace` (named in its header); how many were dropped."""
+        with self._lock:
+            keys = [k for k in self._lru
+                    if in_namespace(self.view(self._lru.get(k, touch=False))[:_NS_END],
+                                    namespace)]
+            dropped = [self._lru.pop(k) for k in keys]
+            self._drop([v for v in dropped if v is not None])
+            return len(keys)
 
     def lru_order(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""
@@ -355,6 +382,37 @@ class WriteBehind:
             with self._cond:
                 self._pending.clear()
             self.backend.clear()
+
+    def clear_namespace(self, namespace: bytes) -> int:
+        """Drop every page of `namespace`, queued or on disk (each file's header is read); how
+        many. Runs under the writer's I/O lock, so none of them is written back afterwards."""
+        with self._io_lock:
+            with self._cond:
+                queued = [k for k, v in self._pending.items()
+                          if in_namespace(memoryview(v)[:_NS_END], namespace)]
+                for k in queued:
+                    del self._pending[k]
+            from storage_backends.file_backend import page_name
+
+            names, hashed = [], 0
+            for path in self.backend.root.glob("*/*/*"):
+                if not path.is_file() or path.name.endswith(".tmp"):
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        head = f.read(_NS_END)
+                except OSError:
+                    continue  # vanished meanwhile
+                if not in_namespace(head, namespace):
+                    continue
+                if page_name(path.name) == path.name:  # named by its key: the backend's delete
+                    names.append(path.name)
+                else:  # named by its key's hash (a key that is not hex): no key to give
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                        hashed += 1
+            self.backend.delete(names)
+        return len(set(queued) | set(names)) + hashed
 
     def flush(self) -> None:
         """Wait until every queued page is written."""

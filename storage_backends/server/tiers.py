@@ -195,6 +195,14 @@ class Tiers:
         if self.persist is not None:
             self.persist.clear()
 
+    def clear_namespace(self, namespace: bytes) -> int:
+        """Drop every page whose record names `namespace`, in both tiers; how many (the larger
+        of the two tiers' counts, as `delete`)."""
+        n = self.store.clear_namespace(namespace)
+        if self.persist is not None:
+            n = max(n, self.persist.clear_namespace(namespace))
+        return n
+
     def stats(self) -> dict[str, int]:
         c = self.store.counters
         out = {

@@ -26,6 +26,8 @@ SAMPLES: list[P.Message] = [
     P.DeleteReply(request_id=5, deleted=1),
     P.ClearRequest(request_id=6, token="tok"),
     P.ClearReply(request_id=6),
+    P.ClearNamespaceRequest(request_id=6, token="tok", namespace="ab" * 32),
+    P.ClearNamespaceReply(request_id=6, deleted=3),
     P.StatsRequest(request_id=7),
     P.StatsReply(request_id=7, stats={"pages": 3, "bytes": 12}),
     P.ErrorReply(request_id=8, code=P.ErrorCode.UNAUTHORIZED, message="no"),
@@ -90,16 +92,24 @@ def test_header_carries_the_version_and_wire_names() -> None:
 
 def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     """Version-1 types stay version 1 on the wire (a version-1 peer reads them); the
-    shared-memory region types say 2, the shared-memory store types 3, writes into it 4."""
-    assert P.PROTOCOL_VERSION == 4
+    shared-memory region types say 2, the shared-memory store types 3, writes into it 4, the
+    namespace clear 5."""
+    assert P.PROTOCOL_VERSION == 5
     v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
           "shm_get_ok"}
     v3 = {"map_store", "map_store_ok", "shm_locate", "shm_locate_ok"}
     v4 = {"shm_reserve", "shm_reserve_ok", "shm_commit", "shm_commit_ok"}
+    v5 = {"clear_namespace", "clear_namespace_ok"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
-        want = 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3 else 2 if msg.TYPE in v2 else 1
+        want = (5 if msg.TYPE in v5 else 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3
+                else 2 if msg.TYPE in v2 else 1)
         assert header["v"] == want, msg.TYPE
+    # A namespace clear that names no valid namespace is refused before it runs.
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode([msgpack.packb({"v": 5, "t": "clear_namespace", "id": 1, "auth": "",
+                                 "namespace": "AB" * 32})], expect="request")
+    assert e.value.code == P.ErrorCode.MALFORMED
     # A store type in a version-2 header is refused (a version-2 peer never sends one).
     with pytest.raises(P.ProtocolError) as e:
         P.decode([msgpack.packb({"v": 2, "t": "map_store", "id": 1, "auth": ""})],
