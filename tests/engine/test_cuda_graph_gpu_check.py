@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -37,6 +38,7 @@ def run_standin(cwd: Path, files: list[str], mark: str = "gpu") -> subprocess.Co
 CONFTEST_TOP = '''
 import os
 import pytest
+import torch
 
 @pytest.fixture(scope="session")
 def session_value():
@@ -50,6 +52,7 @@ def _marker_env():
 TEST_A = '''
 import os
 import pytest
+import torch
 
 pytest.importorskip("json", reason="json is there")
 CALLS = []
@@ -101,6 +104,7 @@ def test_not_marked():
 
 TEST_CKPT = '''
 import pytest
+import torch
 
 @pytest.mark.gpu
 def test_checkpoint(checkpoint_factory):
@@ -146,6 +150,9 @@ def test_standin_runs_marked_tests_with_fixtures(tmp_path: Path) -> None:
     assert res.returncode == 1
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU check: with CUDA the gpu tests run for real (gpu_check's gpu_tests step)")
 def test_standin_imports_every_gpu_test_module_on_cpu() -> None:
     """The real gpu test modules import under the stand-in (on CPU every gpu test is skipped by
     its skipif, none fails, none is missing)."""
