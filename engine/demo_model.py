@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hicache.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 DEMO_VERSION = "1"
@@ -268,10 +270,29 @@ def checkpoint_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def resolve_model_path(model_path: str | None) -> Path:
-    """The checkpoint directory `--model-path` names: a directory as is; None or `hicache-demo`
-    the demo model; `hicache-demo-mla` its DeepSeek-V3-shaped variant (both written on first
-    use). A directory of that name wins over the demo names."""
-    if model_path and (model_path not in DEMO_NAMES or Path(model_path).exists()):
-        return Path(model_path)
-    return ensure_demo_model(variant=DEMO_NAMES.get(model_path or "", "llama"))
+def resolve_model_path(model_path: str | Path | None, what: str = "--model-path") -> Path:
+    """The directory a `--model-path` (or `--tokenizer-path`) names: the one place that
+    resolves model names, used by the engine, the server's launcher, the tokenizer and
+    `hicache-hitrate`. An existing path as is; None or `hicache-demo` the demo model;
+    `hicache-demo-mla` its DeepSeek-V3-shaped variant (both written on first use); a shipped
+    config's name (`llama-3.1-8b`: `engine/model_configs/`, no weights: `--load-format dummy`).
+    A directory of such a name wins over the name. Anything else is a `ConfigError` naming the
+    path (no hub download: checkpoints are local directories); `what` names the option in it."""
+    from engine.models.dummy import shipped_config_dir, shipped_configs
+
+    if model_path is None or str(model_path) == "":
+        return ensure_demo_model()
+    path = Path(model_path)
+    if path.exists():
+        return path
+    name = str(model_path)
+    if name in DEMO_NAMES:
+        return ensure_demo_model(variant=DEMO_NAMES[name])
+    shipped = shipped_config_dir(name)
+    if shipped is not None:
+        return shipped
+    raise ConfigError(
+        f"{what} {name}: no such file or directory (give a local Hugging Face checkpoint "
+        f"directory, a demo model: {', '.join(DEMO_NAMES)}, or, with --load-format dummy, a "
+        f"shipped config: {', '.join(shipped_configs())})"
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +15,7 @@ from engine.demo_model import resolve_model_path
 from engine.distributed import TPGroup, destroy_tp_group, init_tp_group
 from engine.model_runner import ModelRunner
 from engine.models.config import kv_bytes_per_token
-from engine.models.dummy import dummy_fingerprint, shipped_config_dir
+from engine.models.dummy import dummy_fingerprint
 from engine.models.loader import load_model, model_fingerprint
 from engine.scheduler import Scheduler
 from engine.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
@@ -55,16 +54,6 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
 
 
-def resolve_model(model_path: str | None) -> Path:
-    """The directory `--model-path` names: a directory, a shipped config's name
-    (`llama-3.1-8b`: `engine/model_configs/`, for `--load-format dummy`) or a demo model's."""
-    if model_path and not Path(model_path).exists():
-        shipped = shipped_config_dir(model_path)
-        if shipped is not None:
-            return shipped
-    return resolve_model_path(model_path)
-
-
 class EngineBase:
     """Construction of an `Engine` (model, pools, cache, scheduler; the tensor-parallel group
     and its rank processes) and what the rest of it reads."""
@@ -82,7 +71,7 @@ class EngineBase:
         self._ranks: RankProcesses | None = None
         self.tp = TPGroup.solo()
         self.sync: RankSync = SOLO
-        self.model_path = resolve_model(args.model_path)
+        self.model_path = resolve_model_path(args.model_path)
         self.device = resolve_device(args.device)
         if args.tp_size > 1:
             self._start_tp(init_method)

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from engine.args import EngineArgs
 from engine.server import protocol as P
+from hicache.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Launcher:
             self.server.should_exit = True
 
     async def run(self) -> int:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo_model import resolve_model_path
         from engine.server.client import SchedulerClient
         from engine.server.frontend import create_app
         from engine.server.metrics import ServerMetrics
@@ -134,7 +135,21 @@ class Launcher:
             print(f"hicache-engine: cannot listen on {args.host}:{args.port}: {e}",
                   file=sys.stderr, flush=True)
             return 1
-        model_dir = Path(args.model_path) if args.model_path else ensure_demo_model()
+        try:
+            # Demo names (hicache-demo, hicache-demo-mla) become their directories, written on
+            # first use; a path that does not exist is refused here, before anything starts.
+            model_dir = await asyncio.to_thread(resolve_model_path, args.model_path)
+            tok_dir = (await asyncio.to_thread(resolve_model_path, args.tokenizer_path,
+                                               "--tokenizer-path")
+                       if args.tokenizer_path else model_dir)
+        except ConfigError as e:
+            listener.close()
+            print(f"hicache-engine: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        sched_args = dataclasses.replace(
+            args, model_path=str(model_dir),
+            tokenizer_path=str(tok_dir) if args.tokenizer_path else None,
+        )
         tmp = Path(tempfile.mkdtemp(prefix="hicache-engine-"))
         in_addr, out_addr = f"ipc://{tmp}/to-scheduler", f"ipc://{tmp}/from-scheduler"
         ctx = zmq.asyncio.Context()
@@ -143,16 +158,18 @@ class Launcher:
         env = {**os.environ, "HICACHE_LOG_LEVEL": self.log_level.upper()}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.server.scheduler_proc",
-             json.dumps(dataclasses.asdict(args)), in_addr, out_addr],
+             json.dumps(dataclasses.asdict(sched_args)), in_addr, out_addr],
             env=env,
         )
         watch_task = asyncio.create_task(self._watch(client))
         code = 0
         state: ServerState | None = None
         try:
-            tokenizer = await asyncio.to_thread(
-                Tokenizer, args.tokenizer_path or model_dir
-            )
+            try:
+                tokenizer = await asyncio.to_thread(Tokenizer, tok_dir)
+            except ConfigError as e:
+                print(f"hicache-engine: error: {e}", file=sys.stderr, flush=True)
+                return 2
             stop_wait = asyncio.create_task(stop_event.wait())
             waits: list[asyncio.Future[Any]] = [client.ready, watch_task, stop_wait]
             await asyncio.wait(

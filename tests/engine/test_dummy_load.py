@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.demo_model import resolve_model_path as resolve_model
 from engine.engine import Engine
-from engine.engine_base import resolve_model
 from engine.models.config import ModelConfig, kv_bytes_per_token
 from engine.models.dummy import INIT_STD, shipped_configs
 from engine.models.loader import build_model, load_model

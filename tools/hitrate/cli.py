@@ -220,9 +220,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tools.hitrate.pages import Layout
     from tools.hitrate.report import SCHEMA
     from tools.hitrate.simulate import TierConfig, replay
-    from tools.hitrate.traces import load_tokenizer, read_trace
+    from tools.hitrate.trace_dir import read_path
+    from tools.hitrate.traces import load_tokenizer
 
-    notes: list[str] = []
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
     for flag in ("max_request_tokens", "max_line_bytes"):
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    trace = read_trace(
+    trace, notes = read_path(
         args.trace,
         args.format,
         block_size=args.block_size,

@@ -55,9 +55,13 @@ _DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "fp8": 1, "int8": 1}
 
 
 def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
-    """KV bytes per token from a HF checkpoint's config.json: 2 * layers * kv_heads * head_dim
-    * dtype bytes, or for MLA checkpoints (DeepSeek-V2/V3: `kv_lora_rank` set) one latent per
+    """KV bytes per token from a HF checkpoint's config.json (`path`: the directory, the file,
+    or a model name `resolve_model_path` knows, e.g. hicache-demo): 2 * layers * kv_heads *
+    head_dim * dtype bytes, or for MLA checkpoints (DeepSeek-V2/V3: `kv_lora_rank` set) one latent per
     layer, layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes."""
+    from engine.demo_model import resolve_model_path
+
+    path = str(resolve_model_path(path))  # a demo name, or a path that must exist
     cfg_path = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         cfg = json.loads(cfg_path.read_text())

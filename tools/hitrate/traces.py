@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.errors import HiCacheError
+from hicache.errors import ConfigError, HiCacheError
 from tools.hitrate.sizes import FLOAT_DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -351,10 +351,17 @@ class _Reader:
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from a local directory (or hub id, where reachable)."""
+    """A Hugging Face tokenizer from a local directory, or the engine's demo tokenizer by its
+    model name (`hicache-demo`; `engine.demo_model.resolve_model_path`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from engine.demo_model import resolve_model_path
+
+    directory = resolve_model_path(path, "--tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer {path}: cannot load a tokenizer: {e}") from None
 
 
 def read_trace(
@@ -367,6 +374,7 @@ def read_trace(
     limit: int | None = None,
     add_generation_prompt: bool = True,
     limits: Limits | None = None,
+    files: Sequence[Path] | None = None,
 ) -> Trace:
     """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
 
@@ -375,6 +383,7 @@ def read_trace(
     is read as its `lookup_hashes_*.jsonl` files (LMCache's rotated logs), or else its `*.jsonl`
     files, in name order. LMCache records are replayed in timestamp order, as LMCache's simulator
     does. `limits` bounds every line (`Limits()` by default); a line over a bound is a bad line.
+    `files`: read these instead of the directory's (`trace_dir.read_path` picks them).
     """
     path = Path(path)
     limits = limits or Limits()
@@ -382,7 +391,9 @@ def read_trace(
         raise TraceError(path, None, f"bounds must be >= 1: {limits}")
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(path, None, f"unknown format {fmt!r}; known: auto, {', '.join(FORMATS)}")
-    if path.is_dir():
+    if files:
+        files = list(files)
+    elif path.is_dir():
         files = sorted(path.glob("lookup_hashes_*.jsonl")) or sorted(path.glob("*.jsonl"))
         if not files:
             raise TraceError(path, None, "directory holds no *.jsonl trace files")
