@@ -13,7 +13,17 @@ PYTEST_ARGS ?=
 # SGLANG_DEPS are the small modules its mem_cache and storage packages import at load time.
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_DEPS ?= orjson==3.13.0 pybase64==1.5.1 ipython==9.18.1 traitlets==5.16.1 dill==0.4.1 \
-  sentencepiece==0.2.1 compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0
+  sentencepiece==0.2.1 compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0 \
+  partial-json-parser==0.2.1.1.post7
+# SGLang's gateway (sgl-model-gateway, tests/deployment/test_sglang_router.py), in its own
+# directory off sys.path: its console scripts include an `smg` that would replace smg's own.
+# Run as PYTHONPATH=$(SGLANG_ROUTER_DIR) python -m sglang_router launch ...
+SGLANG_ROUTER_SPEC ?= sglang-router==0.3.2
+SGLANG_ROUTER_DIR := $(VENV)/sglang-router
+# What `python -m sglang.bench_serving` imports beyond the above (HF datasets and its arrow /
+# pandas), off sys.path too: only the bench_serving test puts it there.
+SGLANG_BENCH_DEPS ?= datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
+SGLANG_BENCH_DIR := $(VENV)/sglang-bench
 # SGLang's device and host KV pools import its model-config registry, which imports torchvision.
 # PyPI has no CPU torchvision, so the build made for this torch goes into its own directory, off
 # sys.path: only the SGLang tests and benchmark put it there (tests/integrations/sglang_env.py).
@@ -36,6 +46,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --no-deps $(SGLANG_SPEC) $(SGLANG_DEPS)
 	if [ -n "$(SGLANG_TORCHVISION)" ]; then \
 	  $(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_TV_DIR) $(SGLANG_TORCHVISION); fi
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_ROUTER_DIR) $(SGLANG_ROUTER_SPEC)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_BENCH_DIR) $(SGLANG_BENCH_DEPS)
 	touch $(STAMP)
 
 setup: $(STAMP)
