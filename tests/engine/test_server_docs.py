@@ -222,3 +222,186 @@ def test_flags_table_matches_the_cli() -> None:
         assert shown == want, (f.name, shown, want)
         if choices.get(f.name):
             assert values == ", ".join(f"`{c}`" for c in choices[f.name]), (f.name, values)
+
+
+# --- every documented `hicache-engine` command line starts a server that answers -------------
+
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Shown with placeholders (`...`, flags kept in shell arrays for remote hosts): not runnable as
+# written, and so not run. A new documented command is run unless it is added here.
+NOT_RUNNABLE = {
+    ("docs/deployment.md", '"${COMMON[@]}" "${L3[@]}" --port $port &'),
+    ("docs/deployment.md", '--model-path /models/llama-3-8b --port $port "${L3[@]}" &'),
+    ("docs/deployment.md", "... --kv-events-config"),
+    ("docs/hicache-server.md", "--model-path ... --enable-hierarchical-cache"),
+    ("docs/storage-distributed.md", "... --enable-hierarchical-cache"),
+}
+
+
+@dataclass
+class EngineCommand:
+    doc: str  # path relative to the repository
+    line: int
+    text: str  # the command as written, continuation lines joined
+
+
+def engine_commands() -> list[EngineCommand]:
+    """Every `hicache-engine ...` command in a ```bash block of README.md and docs/*.md."""
+    found = []
+    for path in DOC_FILES:
+        text = path.read_text()
+        for lang, first, body in blocks(text):
+            if lang != "bash":
+                continue
+            lines = body.splitlines()
+            j = 0
+            while j < len(lines):
+                if not lines[j].lstrip().startswith("hicache-engine "):
+                    j += 1
+                    continue
+                start, cmd = j, lines[j].strip()
+                while cmd.endswith("\\") or not _complete(cmd):
+                    j += 1
+                    cmd = cmd.removesuffix("\\").rstrip() + " " + lines[j].strip()
+                j += 1
+                found.append(EngineCommand(str(path.relative_to(REPO)), first + start, cmd))
+    return found
+
+
+def runnable(cmd: EngineCommand) -> bool:
+    rest = cmd.text.removeprefix("hicache-engine ")
+    return not any(doc == cmd.doc and rest.startswith(prefix) for doc, prefix in NOT_RUNNABLE)
+
+
+def test_engine_commands_found() -> None:
+    """The extraction sees the commands the docs show, and every one left out is still there
+    (an entry of NOT_RUNNABLE that matches nothing fails here)."""
+    cmds = engine_commands()
+    mla = ("hicache-engine --model-path hicache-demo-mla --tp-size 2 --enable-hierarchical-cache "
+           "--hicache-storage-backend file --hicache-storage-backend-extra-config "
+           "'{\"path\": \".hicache/pages\"}'")
+    assert ("docs/tensor-parallel.md", mla) in {(c.doc, c.text) for c in cmds}
+    for doc, prefix in NOT_RUNNABLE:
+        assert any(c.doc == doc and c.text.removeprefix("hicache-engine ").startswith(prefix)
+                   for c in cmds), (doc, prefix)
+    assert sum(runnable(c) for c in cmds) >= 6
+
+
+def rewrite(cmd: EngineCommand, tmp: Path, ckpt: Path, store_url: str, token: str,
+            port: int) -> list[str]:
+    """The command's arguments with this test's port, store and directories: /models/NAME is a
+    copy of the demo checkpoint, the hicache-server at 127.0.0.1:7480 the test's, $port and
+    $HICACHE_SERVER_AUTH_TOKEN what a shell would give them; a trailing `&` dropped."""
+    text = cmd.text.removesuffix("&").strip()
+    text = text.replace("$HICACHE_SERVER_AUTH_TOKEN", token).replace("$port", str(port))
+    assert "$" not in text, f"{cmd.doc}:{cmd.line}: a shell variable this test cannot give"
+    text = text.replace("tcp://127.0.0.1:7480", store_url)
+    text = re.sub(r"/models/[\w.-]+", str(ckpt), text)
+    argv = shlex.split(text)[1:]
+    argv = [a.replace(".hicache/pages", str(tmp / "pages")) for a in argv]
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = str(port)
+    else:
+        argv += ["--port", str(port)]
+    if "--tp-size" in argv and int(argv[argv.index("--tp-size") + 1]) > 1:
+        import torch
+
+        if torch.cuda.device_count() < 2:  # one GPU per rank; the ranks share a CPU here
+            argv += ["--device", "cpu"]
+    return argv
+
+
+def engine_argv(argv: list[str]) -> list[str]:
+    """`hicache-engine ARGV` as a user runs it: the console script of this environment."""
+    script = Path(sys.executable).parent / "hicache-engine"
+    return [str(script) if script.exists() else sys.executable, *([] if script.exists() else
+            ["-m", "engine"]), *argv]
+
+
+def wait_ready(proc: ManagedProcess, timeout: float = 300) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while "hicache-engine ready on" not in proc.log():
+        assert proc.alive(), proc.log()[-4000:]
+        assert time.monotonic() < deadline, proc.log()[-4000:]
+        time.sleep(0.1)
+    return next(ln for ln in proc.log().splitlines() if "hicache-engine ready on" in ln)
+
+
+@pytest.mark.slow
+def test_every_documented_engine_command_serves(tmp_path: Path) -> None:
+    """Each documented `hicache-engine` command line (README.md, docs/*.md) starts, answers one
+    completion, and stops with exit code 0."""
+    from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+
+    demo = ensure_demo_model()
+    ckpt = tmp_path / "checkpoint"  # what /models/NAME stands for
+    ckpt.symlink_to(demo, target_is_directory=True)
+    token = "docs-token-0123456789abcdef"
+    (tmp_path / "open").mkdir()
+    (tmp_path / "authed").mkdir()
+    store = HiCacheServerProc(tmp_path / "open", capacity="256MiB").start()
+    authed = HiCacheServerProc(tmp_path / "authed", capacity="256MiB", auth_token=token).start()
+    seen: set[tuple[str, ...]] = set()
+    try:
+        for cmd in engine_commands():
+            if not runnable(cmd):
+                continue
+            port = free_port()
+            url = (authed if "$HICACHE_SERVER_AUTH_TOKEN" in cmd.text else store).url
+            argv = rewrite(cmd, tmp_path, ckpt, url, token, port)
+            key = tuple(a for a in argv if a != str(port))
+            if key in seen:
+                continue
+            seen.add(key)
+            where = f"{cmd.doc}:{cmd.line}"
+            proc = ManagedProcess(engine_argv(argv), tmp_path / f"engine-{len(seen)}.log",
+                                  cwd=tmp_path)
+            proc.start()
+            try:
+                ready = wait_ready(proc)
+                model = argv[argv.index("--model-path") + 1] if "--model-path" in argv \
+                    else "hicache-demo"
+                assert f"http://127.0.0.1:{port} (model {model}," in ready, (where, ready)
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                               json={"prompt": "The lighthouse keeper", "max_tokens": 4,
+                                     "ignore_eos": True})
+                assert r.status_code == 200, (where, r.text)
+                out = r.json()
+                assert out["model"] == model and out["usage"]["completion_tokens"] == 4, where
+                proc.proc.send_signal(2)  # SIGINT, as Ctrl-C: a clean stop
+                assert proc.proc.wait(timeout=120) == 0, (where, proc.log()[-4000:])
+            finally:
+                proc.stop(timeout=60)
+    finally:
+        store.stop()
+        authed.stop()
+    assert len(seen) >= 4
+
+
+def test_model_path_names_and_missing_paths(tmp_path: Path) -> None:
+    """A --model-path / --tokenizer-path that does not exist is refused at once, naming it and
+    the names that do resolve; the demo names serve (before: 'cannot load a tokenizer')."""
+    for flags in (["--model-path", str(tmp_path / "no-such-model")],
+                  ["--tokenizer-path", str(tmp_path / "no-such-model")]):
+        proc = ManagedProcess(engine_argv([*flags, "--port", str(free_port())]),
+                              tmp_path / "missing.log", cwd=tmp_path)
+        proc.start()
+        assert proc.proc.wait(timeout=120) == 2
+        want = (f"hicache-engine: error: {flags[0]} {tmp_path / 'no-such-model'}: no such file "
+                "or directory (give a local Hugging Face checkpoint directory, a demo model: "
+                "hicache-demo, hicache-demo-mla, or, with --load-format dummy, a shipped config:")
+        assert want in proc.log(), proc.log()[-2000:]
+        assert "Repo id" not in proc.log() and "Traceback" not in proc.log()
+        (tmp_path / "missing.log").unlink()
+    ensure_demo_model()
+    port = free_port()
+    proc = ManagedProcess(engine_argv(["--model-path", "hicache-demo", "--tokenizer-path",
+                                       "hicache-demo", "--port", str(port)]),
+                          tmp_path / "demo.log", cwd=tmp_path)
+    with proc:
+        assert "(model hicache-demo, storage none," in wait_ready(proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "hicache-demo", r.text
