@@ -29,11 +29,11 @@ def test_doc_examples_print_what_the_doc_shows() -> None:
 CHAT = """# page
 
 ```
-hicache-hitrate traces/chat_example.jsonl --tokenizer demo-model {flag}
+hicache-hitrate traces/chat_example.jsonl --tokenizer hicache-demo {flag}
 ```
 
 ```
-$ hicache-hitrate traces/chat_example.jsonl --tokenizer demo-model --page-size 4 \\
+$ hicache-hitrate traces/chat_example.jsonl --tokenizer hicache-demo --page-size 4 \\
       --device 64p --no-opt
 {output}
 ```
@@ -44,7 +44,7 @@ def test_checker_rewrites_then_accepts_then_catches_a_change(tmp_path: Path) -> 
     doc = tmp_path / "page.md"
     doc.write_text(CHAT.format(flag="--no-opt", output="stale"))
     [problem] = check(doc)
-    assert problem.startswith("$ hicache-hitrate traces/chat_example.jsonl --tokenizer demo-model")
+    assert problem.startswith("$ hicache-hitrate traces/chat_example.jsonl --tokenizer hicache-demo")
     assert "-stale" in problem
     assert check(doc, write=True) == []
     written = doc.read_text()
@@ -55,9 +55,9 @@ def test_checker_rewrites_then_accepts_then_catches_a_change(tmp_path: Path) -> 
     [problem] = check(doc)
     assert "-prefill tokens saved: 133" in problem and "+prefill tokens saved: 132" in problem
     # ... and so is a command that does not parse.
-    doc.write_text(written.replace("demo-model --no-opt", "demo-model --no-such-flag", 1))
+    doc.write_text(written.replace("hicache-demo --no-opt", "hicache-demo --no-such-flag", 1))
     assert check(doc) == [
-        "does not parse: hicache-hitrate traces/chat_example.jsonl --tokenizer demo-model "
+        "does not parse: hicache-hitrate traces/chat_example.jsonl --tokenizer hicache-demo "
         "--no-such-flag"
     ]
 

@@ -236,6 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--eviction-policy-config must be a JSON object")
     specs = {f: parse_size(getattr(args, f)) for f in ("device", "host", "storage")}
 
+    kvb = args.kv_bytes_per_token
+    if kvb is None and args.model_path:  # before a long read: a wrong path fails at once
+        kvb = kv_bytes_from_model(args.model_path, args.kv_dtype)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     trace, notes = read_path(
@@ -252,9 +255,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_read = time.perf_counter() - t0
 
     page_size = args.page_size or trace.block_size or 32
-    kvb = args.kv_bytes_per_token
-    if kvb is None and args.model_path:
-        kvb = kv_bytes_from_model(args.model_path, args.kv_dtype)
     if kvb is None and trace.kv_bytes_per_token:
         kvb = trace.kv_bytes_per_token
         notes.append(f"kv bytes per token {kvb:g} taken from the lmcache log's shapes/dtypes")

@@ -5,10 +5,9 @@ is a command and what it prints, and this module checks (or rewrites) the printe
     python -m tools.hitrate.doc_examples --write    # rewrite the output blocks from a run
 
 Commands run from the repository root as a user runs them there: in a scratch directory that
-holds `traces/` (a link to the repository's) and `demo-model/` (the engine's demo checkpoint,
-written by `engine.demo_model.ensure_demo_model`), so relative paths in the commands and in their
-output are the same as on a fresh clone. Output is captured at 80 columns (`COLUMNS=80`, what
-`rich` prints into a pipe). The one line allowed to differ is the timing line
+holds `traces/` (a link to the repository's), so relative paths in the commands and in their
+output are the same as on a fresh clone (`hicache-demo` names the engine's demo checkpoint).
+Output is captured at 80 columns (`COLUMNS=80`, what `rich` prints into a pipe). The one line allowed to differ is the timing line
 (`read X s, replay Y s (Z requests/s), analyses W s`): it is compared by its shape, not its
 numbers. Every other `hicache-hitrate` command line in the page must parse.
 """
@@ -99,12 +98,9 @@ def parse(text: str) -> tuple[list[Example], list[list[str]]]:
 @contextlib.contextmanager
 def _scratch() -> Iterator[Path]:
     """A directory that looks like the repository root to the commands."""
-    from engine.demo_model import ensure_demo_model
-
     with tempfile.TemporaryDirectory(prefix="hitrate-doc-") as d:
         root = Path(d)
         (root / "traces").symlink_to(REPO / "traces")
-        (root / "demo-model").symlink_to(ensure_demo_model())
         old_cwd, old_cols = os.getcwd(), os.environ.get("COLUMNS")
         os.chdir(root)
         os.environ["COLUMNS"] = str(COLUMNS)
