@@ -27,7 +27,8 @@ from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec, Re
 from hicache.errors import ConfigError
 from storage_backends.common import encode_header
 
-# Host tensors a pool may keep its pages in (others are views of these, or hold no pages).
+# Host tensors a KV pool keeps its pages in, looked at first; any other CPU tensor (or list of
+# them) among the pool's attributes is a buffer too (a draft, SWA, indexer or Mamba pool's).
 _BUFFER_ATTRS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
 
 
@@ -70,10 +71,13 @@ class HostPages:
         self.payload_bytes = sum(self.region_sizes)
         for p, n in zip(ptrs, sizes):
             self._locate(p, n)  # every region must lie in a registered buffer
-        self.dtype = str(pool.dtype).removeprefix("torch.")
-        self.layout = str(pool.layout)
-        page_shape = tuple(int(d) for d in pool.get_data_page(0, flat=False).shape)
-        itemsize = torch.empty((), dtype=pool.dtype).element_size()
+        self.dtype = str(getattr(pool, "dtype", "uint8")).removeprefix("torch.")
+        self.layout = str(getattr(pool, "layout", "raw"))
+        try:  # a pool whose page is not one tensor (e.g. Mamba's states) is stored as bytes
+            page_shape = tuple(int(d) for d in pool.get_data_page(0, flat=False).shape)
+            itemsize = torch.empty((), dtype=pool.dtype).element_size()
+        except Exception:  # noqa: BLE001 - any pool's own refusal
+            page_shape, itemsize = (self.payload_bytes,), 0
         elems = 1
         for d in page_shape:
             elems *= d
@@ -85,11 +89,13 @@ class HostPages:
         self.geometry = {"pool": type(pool).__name__, "shape": list(page_shape),
                          "regions": self.region_sizes}
         self.codec: PageCodec | None = None
+        self.namespace = b""
         self.record_bytes = HEADER_BYTES + self.payload_bytes
         self._heads = ThreadBuffers()
 
     def bind(self, namespace: bytes) -> None:
         """Make the record codec for pages of `namespace` (the seed depends on `geometry`)."""
+        self.namespace = namespace
         shape, dtype, itemsize = self._format
         self.codec = PageCodec(
             namespace=namespace, dtype=dtype, shape=shape,
@@ -145,10 +151,14 @@ class HostPages:
         encode_header(self._codec(), key, payload, head)
 
     def accept(self, key: str, header: RecordHeader) -> str | None:
-        """Why a record that passed the client's checks (length, magic, key, namespace,
-        checksum) is still not a page of this pool's format, or None (`batch_get_parts`'s
-        `accept`: such a record is a counted corrupt miss, never copied into the pool)."""
+        """Why a record that passed the client's checks (length, magic, key, checksum) is
+        still not a page of this pool (another namespace or format), or None
+        (`batch_get_parts`'s `accept`: such a record is a counted corrupt miss, never copied
+        into the pool). The plugin's one client serves every pool, so the namespace is judged
+        here, per pool."""
         c = self._codec()
+        if header.namespace != c.namespace:
+            return "record is from another namespace"
         got = (header.dtype, header.layout, header.shape, header.token_count)
         want = (c.dtype, c.layout, c.shape, c.tokens_per_page)
         if got != want:
@@ -157,11 +167,19 @@ class HostPages:
         return None
 
 
+def _pool_tensors(pool: Any) -> list[Any]:
+    named = [getattr(pool, n, None) for n in _BUFFER_ATTRS]
+    others = [v for n, v in sorted(vars(pool).items()) if n not in _BUFFER_ATTRS]
+    out: list[Any] = []
+    for v in named + others:
+        out += list(v) if isinstance(v, list | tuple) else [v]
+    return out
+
+
 def _host_buffers(pool: Any) -> list[_Buffer]:
     out: list[_Buffer] = []
     seen: set[tuple[int, int]] = set()
-    for name in _BUFFER_ATTRS:
-        t = getattr(pool, name, None)
+    for t in _pool_tensors(pool):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
             continue
         key = (t.data_ptr(), t.numel() * t.element_size())

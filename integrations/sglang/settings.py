@@ -1,14 +1,20 @@
 """What the plugin reads from SGLang: its extra config and its storage config.
 
 SGLang hands a dynamic backend one JSON object (`--hicache-storage-backend-extra-config`) that
-also carries its own keys: the factory's `backend_name` / `module_path` / `class_name` and the
-controller's `interface_v1` (SGLang pops its prefetch knobs and `tp_lcm_size` before the backend
-sees the object). Ours go to the `hicache-server` client (`storage_backends.hicache_backend`)
-or decide the namespace. Any other key is a typo, and an error at start-up.
+also carries keys of its own (`SGLANG_KEYS`, found in sglang 0.5.23's source): the factory's
+`backend_name` / `module_path` / `class_name`; the controller's `interface_v1`; `allocator`
+(`"shm"`: the host pool allocator, `pool_host.common.get_allocator_type`); `file_storage_path`
+(added by the radix cache when `--file-storage-path` is set); and the prefetch knobs and
+`tp_lcm_size`, which SGLang pops before the backend sees the object except on the
+prefill/decode-split decode-offload path (`DecodeKVCacheOffloadManager` passes the object as
+parsed). Those are accepted and left to SGLang. Ours go to the `hicache-server` client
+(`storage_backends.hicache_backend`) or decide the namespace. Any other key is a typo, and an
+error at start-up that names it.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,8 +23,11 @@ from typing import Any
 from hicache.errors import ConfigError
 from hicache.keys import namespace_seed
 
-# Keys SGLang itself puts in the extra config (the dynamic factory's and the controller's).
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+# Keys SGLang itself reads from the extra config, which may reach the backend (see above).
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator",
+               "file_storage_path", "prefetch_threshold", "prefetch_timeout_base",
+               "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+               "tp_lcm_size")
 # Passed as they are to `HiCacheServerBackend` (see docs/hicache-server.md, client settings).
 CLIENT_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
                "shm", "shm_bytes", "shm_populate")
@@ -45,9 +54,13 @@ def parse_settings(extra: dict[str, Any] | None) -> PluginSettings:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(SGLANG_KEYS) - set(CLIENT_KEYS) - set(PLUGIN_KEYS))
     if unknown:
+        ours = CLIENT_KEYS + PLUGIN_KEYS
+        hints = [f"{k!r}: did you mean {m[0]!r}?" for k in unknown
+                 if (m := difflib.get_close_matches(k, ours + SGLANG_KEYS, n=1))]
         raise ConfigError(
-            f"hicache SGLang plugin: unknown extra-config keys {unknown}; known: "
-            f"{sorted(CLIENT_KEYS + PLUGIN_KEYS)} (and SGLang's {list(SGLANG_KEYS)})"
+            f"hicache SGLang plugin: unknown extra-config keys {unknown}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; known: {sorted(ours)} (and SGLang's {list(SGLANG_KEYS)})"
         )
     stage = extra.get("stage_bytes", DEFAULT_STAGE_BYTES)
     if not isinstance(stage, int) or isinstance(stage, bool) or stage <= 0:
