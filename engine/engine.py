@@ -328,12 +328,16 @@ class Engine(EngineBase):
     @collective
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier hit tokens and transfer counters (`hicache.stats.CacheStats` fields), pool
-        usage, the storage backend's counters, and the scheduler's totals."""
+        usage, the storage backend's counters, the cost model's estimates (`cost_model`, None
+        without a host tier), and the scheduler's totals."""
         self.cache.poll()
         out: dict[str, Any] = dict(self.cache.stats.as_dict())
         out["usage"] = self.cache.usage()
         st = self.cache.storage_stats()
         out["storage"] = st.as_dict() if st is not None else None
+        cost = getattr(getattr(self.cache, "controller", None), "cost", None)
+        # The load-vs-recompute estimates and the start-up calibration (hicache.calibration).
+        out["cost_model"] = cost.as_dict() if cost is not None else None
         out["scheduler"] = {
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),

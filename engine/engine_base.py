@@ -20,6 +20,7 @@ from engine.models.loader import load_model, model_fingerprint
 from engine.scheduler import Scheduler
 from engine.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from engine.tp import RankFailure, RankProcesses, free_port
+from hicache.calibration import PROBE_BYTES, calibrate_transfers
 from hicache.errors import ConfigError
 from hicache.hiradix import HiRadixCache
 from hicache.keys import namespace_seed
@@ -35,6 +36,11 @@ logger = logging.getLogger("engine.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # On CPU the default KV pool is mem_fraction_static of this budget (the host pool comes on top).
 _CPU_KV_BUDGET_BYTES = 256 << 20
+# The start-up calibration's forward (tokens; at most chunked_prefill_size) and L3 probe. On CPU
+# a forward's speed barely depends on its length, and engines start often in tests.
+_CALIBRATION_TOKENS = 2048
+_CPU_CALIBRATION_TOKENS = 256
+_CPU_PROBE_BYTES = 8 << 20
 
 
 def resolve_device(name: str) -> torch.device:
@@ -209,6 +215,7 @@ class EngineBase:
             random_seed=args.random_seed,
             request_log=args.request_log if self.tp_rank == 0 else None, sync=self.sync,
         )
+        self._calibrate(args, num_pages * ps)
         self._matchers: dict[str, Any] = {}  # compiled on rank 0 before a request is queued
         self._closed = False
         self._grammar_compiler: GrammarCompiler | None = None
@@ -220,6 +227,22 @@ class EngineBase:
             ("hierarchical" if args.enable_hierarchical_cache else "device"),
             self.tp_rank, args.tp_size,
         )
+
+    def _calibrate(self, args: EngineArgs, pool_tokens: int) -> None:
+        """Measure what the load-vs-recompute decision needs before the first request (a
+        prefill forward, the host and L3 load paths: `hicache.calibration`), so that a tier is
+        used only where it beats recomputing from the first request on."""
+        cost = getattr(getattr(self.cache, "controller", None), "cost", None)
+        if cost is None or not args.enable_hierarchical_cache:
+            return
+        cuda = self.device.type == "cuda"
+        ps = args.page_size
+        tokens = min(args.chunked_prefill_size, _CALIBRATION_TOKENS if cuda else
+                     _CPU_CALIBRATION_TOKENS, self.context_length - 1, pool_tokens // 2)
+        tokens -= tokens % ps
+        if tokens >= ps:
+            cost.calibrate_prefill(tokens, self.runner.measure_prefill(tokens))
+        calibrate_transfers(self.cache, PROBE_BYTES if cuda else _CPU_PROBE_BYTES)
 
     @property
     def caching(self) -> bool:

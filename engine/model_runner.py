@@ -9,6 +9,7 @@ from a CUDA graph (`engine/cuda_graph.py`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -82,6 +83,29 @@ class ModelRunner:
             except Exception as e:  # eager decode is the same computation, only slower
                 self.cuda_graph_error = f"{type(e).__name__}: {e}"
                 logger.exception("CUDA graph capture failed; decode steps run eagerly")
+
+    def measure_prefill(self, tokens: int) -> float:
+        """Seconds of one forward over `tokens` new tokens (after an untimed one), on pages
+        borrowed from the pool and given back: the cost model's start-up calibration. A
+        collective under tensor parallelism (every rank calls it)."""
+        ps = self.pool.page_size
+        pages = self.pool.allocator.alloc(-(-tokens // ps))
+        if pages is None:
+            raise RuntimeError(f"no room in the KV pool for a {tokens}-token forward")
+        vocab = self.config.vocab_size
+        ids = [(7 * i + 3) % vocab for i in range(tokens)]
+        cuda = self.device.type == "cuda"
+        try:
+            self.forward([(ids, 0, pages)])  # first-use costs (kernels, allocator) stay out
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.forward([(ids, 0, pages)])
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - t0
+        finally:
+            self.pool.allocator.free(pages)
 
     def forward(
         self,

@@ -465,6 +465,16 @@ class TransferController:
         if self.cost is not None and op.nbytes:
             self.cost.observe_load("storage", op.nbytes, op.seconds)
 
+    def timed_read(self, keys: Sequence[str], host_pages: Sequence[int]) -> PrefetchOp:
+        """Read `keys` into `host_pages` now, on the calling thread, by the path a prefetch
+        takes (pipelined over the readers when it is large enough), measured as one: it feeds
+        the cost model. For the start-up calibration (`hicache.calibration`)."""
+        op = PrefetchOp(request_id="calibration", anchor=None,  # type: ignore[arg-type]
+                        tokens=(), start_page=0, keys=list(keys), host_pages=list(host_pages),
+                        started=time.monotonic(), budget_s=float("inf"))
+        self._run_prefetch(op)
+        return op
+
     def _fetch_pipelined(
         self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
     ) -> None:

@@ -12,7 +12,9 @@ before it), and each tier is either worth it or not (per-token costs are constan
 is: load the host part when that beats recomputing it, then the storage part when the host part
 is loaded and loading beats recomputing it too. Until a quantity has been measured, its prior
 (constructor argument) is used; with no prior, loading is assumed cheaper (the cache's old
-behaviour).
+behaviour). An engine calibrates every quantity before its first request
+(`hicache.calibration`: a short forward, a host -> device copy, a short L3 read), recorded in
+`calibration` and reported by `as_dict()`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 TIERS = ("host", "storage")
 
@@ -93,6 +96,19 @@ class CostModel:
         now = clock()
         self._measured_at = {t: now for t in TIERS}
         self.remeasures = 0  # plans that loaded a tier only to measure it again
+        # What the start-up calibration measured (tokens, bytes, seconds, rates; `error`s).
+        self.calibration: dict[str, Any] = {}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The current estimates (EWMAs; None: not measured) and the start-up calibration."""
+        return {
+            "bytes_per_token": self.bytes_per_token,
+            "prefill_tokens_per_s": self.prefill.value,
+            "host_bytes_per_s": self.bandwidth["host"].value,
+            "storage_bytes_per_s": self.bandwidth["storage"].value,
+            "storage_samples": self.bandwidth["storage"].samples,
+            "calibration": dict(self.calibration),
+        }
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -100,6 +116,12 @@ class CostModel:
         """A forward computed `tokens` prompt tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             self.prefill.update(tokens / seconds)
+
+    def calibrate_prefill(self, tokens: int, seconds: float) -> None:
+        """The start-up forward: observed, and recorded in `calibration`."""
+        self.observe_prefill(tokens, seconds)
+        self.calibration.update(prefill_tokens=tokens, prefill_seconds=seconds,
+                                prefill_tokens_per_s=tokens / seconds if seconds > 0 else None)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         """`nbytes` came from `tier` in `seconds` (one batch: latency is folded into the

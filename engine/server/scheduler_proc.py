@@ -199,13 +199,8 @@ class SchedulerProcess:
         cost = getattr(controller, "cost", None)
         if cost is None:
             return None
-        return {
-            "bytes_per_token": cost.bytes_per_token,
-            "prefill_tokens_per_s": cost.prefill.value,
-            "host_bytes_per_s": cost.bandwidth["host"].value,
-            "storage_bytes_per_s": cost.bandwidth["storage"].value,
-            "storage_samples": cost.bandwidth["storage"].samples,
-        }
+        out: dict[str, Any] = cost.as_dict()  # with the start-up calibration
+        return out
 
     def control(self, msg: P.ControlReq) -> P.ControlResp:
         op, payload = msg.op, msg.payload
