@@ -16,6 +16,14 @@ Writes benchmarks/results/bench_engine[_quick].json. Compare ratios, not absolut
 
     python benchmarks/bench_engine.py [--quick] [--device cpu|cuda] [--dtype float32]
         [--hidden 256] [--layers 4] [--attention-backend auto] [--tp-size 2]
+        [--model-config llama-3.1-8b|PATH/config.json [--load-format dummy]]
+        [--prompt-tokens 8192,32768]
+
+--model-config: a real model's shape (a shipped config or a config.json) with random weights made
+on the device (--load-format dummy, the default with a config), next to a transformers model
+built from the same config on the device (its own random weights: speed, not outputs, is
+compared). --prompt-tokens takes several lengths: prefill_long is the first, prefill_long_<N> the
+others.
 """
 
 from __future__ import annotations
@@ -66,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="decode CUDA graphs up to this batch (CUDA + triton; 0: off)")
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="the long prompt")
+    p.add_argument("--model-config", default=None,
+                   help="a shipped config name or a config.json: that model's shape")
+    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                   help="our weights: dummy (random, on the device; the default with "
+                   "--model-config) or auto (the generated checkpoint's)")
+    p.add_argument("--prompt-tokens", default="2048",
+                   help="the long prompt's tokens (a comma list: one prefill_long row each)")
     p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
     p.add_argument("--batch-prompt-tokens", type=int, default=256)
     p.add_argument("--decode-batches", default="1,16,64")
@@ -84,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.hidden, a.layers, a.vocab = 256, 2, 4096
-        a.prompt_tokens, a.batch_prompts, a.batch_prompt_tokens = 512, 4, 128
+        a.prompt_tokens, a.batch_prompts, a.batch_prompt_tokens = "512", 4, 128
         a.decode_context, a.decode_steps, a.repeats = 64, 8, 2
+    if a.load_format is None:
+        a.load_format = "dummy" if a.model_config else "auto"
+    if a.model_config and a.load_format != "dummy":
+        p.error("--model-config has no weights: use --load-format dummy")
+    long_prompts = [int(x) for x in str(a.prompt_tokens).split(",") if x]
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -112,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     def prompt(n: int) -> list[int]:
         return torch.randint(10, a.vocab, (n,), generator=g).tolist()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_weights(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
-        model = load_model(path, dtype=dtype, device=device)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if a.model_config:
+        model, hf = real_shape_models(a.model_config, dtype, device)
+        a.vocab = model.config.vocab_size
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_weights(Path(tmp) / "ckpt", a.hidden, a.layers, a.vocab)
+            model = load_model(path, dtype=dtype, device=device, load_format=a.load_format)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     ps = a.page_size
-    need = max(a.prompt_tokens, a.batch_prompts * a.batch_prompt_tokens,
+    need = max(*long_prompts, a.batch_prompts * a.batch_prompt_tokens,
                max(decode_batches) * (a.decode_context + a.decode_steps + 2 * ps))
     kw: dict[str, Any] = {}
     if "cuda_graph_max_bs" in inspect.signature(ModelRunner).parameters:  # not before graphs
@@ -150,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {tokens:6d} tok  ours {tokens / ours:10.0f} tok/s  "
               f"transformers {tokens / theirs:10.0f} tok/s  ratio {theirs / ours:.2f}x", flush=True)
 
-    prefill_case("prefill_long", [prompt(a.prompt_tokens)])
+    for i, n in enumerate(long_prompts):
+        prefill_case("prefill_long" if i == 0 else f"prefill_long_{n}", [prompt(n)])
     prefill_case("prefill_batch", [prompt(a.batch_prompt_tokens) for _ in range(a.batch_prompts)])
 
     # ---- decode -------------------------------------------------------------------------
@@ -193,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "bench_engine",
         "args": vars(a),
+        "model": {"config": a.model_config or "generated", "model_type": model.config.model_type,
+                  "hidden": model.config.hidden_size, "layers": model.config.num_layers,
+                  "vocab": model.config.vocab_size, "load_format": a.load_format},
         "attention_backend": runner.attn.name,
         "cuda_graph": bool(getattr(runner, "graph_runner", None)),
         "torch": torch.__version__,
@@ -207,6 +234,23 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def real_shape_models(spec: str, dtype: Any, device: Any) -> tuple[Any, Any]:
+    """Ours (dummy weights) and a transformers model from the same config, both made on the
+    device (the transformers one with its own random initialisation)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models import load_model
+    from engine.models.dummy import config_dir_of
+
+    cfg_dir = config_dir_of(spec)
+    ours = load_model(cfg_dir, dtype=dtype, device=device, load_format="dummy")
+    hf_cfg = AutoConfig.from_pretrained(str(cfg_dir))
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+    return ours, hf.eval()
 
 
 def engine_tp_rows(a: argparse.Namespace, device: Any, dtype: Any) -> dict[str, Any]:

@@ -538,19 +538,42 @@ else
 fi
 
 # -- benchmarks ------------------------------------------------------------------------------
+# Issue 30: a deployed model's shape, Llama-3.1-8B (the shipped config, engine/model_configs),
+# with random weights made on the device (--load-format dummy: no checkpoint, no network), bf16,
+# 8k and 32k prompts. The --quick dry run takes the same path on a tiny config.
 if [ "$QUICK" = 1 ]; then
+  TINY_CFG="$OUT/tiny_config"
+  mkdir -p "$TINY_CFG"
+  echo '{"model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 1024, "max_position_embeddings": 4096}' >"$TINY_CFG/config.json"
   step bench_transfer 120 "$PY" benchmarks/bench_transfer.py --device "$DEVICE" --quick \
     --out "$OUT/bench_transfer.json"
+  step bench_ttft_tiers_config 120 "$PY" benchmarks/bench_ttft_tiers.py --device "$DEVICE" \
+    --model-config "$TINY_CFG/config.json" --load-format dummy --tokens 512 --page-size 16 \
+    --repeats 1 --out "$OUT/bench_ttft_tiers_config.json"
+  step bench_engine_config 120 "$PY" benchmarks/bench_engine.py --device "$DEVICE" \
+    --model-config "$TINY_CFG/config.json" --load-format dummy --prompt-tokens 256,512 \
+    --batch-prompts 2 --batch-prompt-tokens 64 --decode-batches 1,4 --decode-context 32 \
+    --decode-steps 4 --repeats 1 --out "$OUT/bench_engine_config.json"
   step bench_ttft_tiers 240 "$PY" benchmarks/bench_ttft_tiers.py --device "$DEVICE" --quick \
     --repeats 1 --out "$OUT/bench_ttft_tiers.json"
 else
   step bench_transfer 60 "$PY" benchmarks/bench_transfer.py --device "$DEVICE" \
     --out "$OUT/bench_transfer.json"
-  # The issue's GPU size: 2048 hidden, 16 layers, bf16, 8,000 tokens, page 64.
-  step bench_ttft_tiers 160 "$PY" benchmarks/bench_ttft_tiers.py --device "$DEVICE" \
-    --hidden 2048 --layers 16 --tokens 8000 --vocab 32000 --dtype bfloat16 --repeats 3 \
-    --compute-repeats 2 \
-    --out "$OUT/bench_ttft_tiers.json"
+  L8B=(--device "$DEVICE" --model-config llama-3.1-8b --load-format dummy --dtype bfloat16)
+  step bench_ttft_tiers_llama8b_8k 120 "$PY" benchmarks/bench_ttft_tiers.py "${L8B[@]}" \
+    --tokens 8000 --repeats 2 --compute-repeats 2 --out "$OUT/bench_ttft_tiers_llama8b_8k.json"
+  step bench_engine_llama8b 100 "$PY" benchmarks/bench_engine.py "${L8B[@]}" \
+    --prompt-tokens 8192,32768 --decode-batches 1,16,64 --repeats 2 \
+    --out "$OUT/bench_engine_llama8b.json"
+  step bench_ttft_tiers_llama8b_32k 150 "$PY" benchmarks/bench_ttft_tiers.py "${L8B[@]}" \
+    --tokens 32000 --repeats 1 --compute-repeats 1 \
+    --out "$OUT/bench_ttft_tiers_llama8b_32k.json"
+  # The earlier runs' size (2048 hidden, 16 layers, bf16, 8,000 tokens), for comparison.
+  step bench_ttft_tiers 60 "$PY" benchmarks/bench_ttft_tiers.py --device "$DEVICE" \
+    --hidden 2048 --layers 16 --tokens 8000 --vocab 32000 --dtype bfloat16 --repeats 2 \
+    --compute-repeats 2 --out "$OUT/bench_ttft_tiers.json"
 fi
 if [ -f benchmarks/bench_engine.py ]; then
   HELP=$("$PY" benchmarks/bench_engine.py --help 2>&1 || true)
@@ -558,7 +581,7 @@ if [ -f benchmarks/bench_engine.py ]; then
   case "$HELP" in *--device*) ARGS+=(--device "$DEVICE") ;; esac
   case "$HELP" in *--out*) ARGS+=(--out "$OUT/bench_engine.json") ;; esac
   if [ "$QUICK" = 1 ]; then case "$HELP" in *--quick*) ARGS+=(--quick) ;; esac; fi
-  step bench_engine 80 "$PY" benchmarks/bench_engine.py "${ARGS[@]}"
+  step bench_engine 50 "$PY" benchmarks/bench_engine.py "${ARGS[@]}"
 fi
 echo "gpu_check: status $STATUS in $(( $(date +%s) - START ))s; results in $OUT"
 ls -l "$OUT"

@@ -63,3 +63,18 @@ def dummy_fingerprint(path: str | Path, seed: int, device: torch.device) -> str:
     h.update((Path(path) / "config.json").read_bytes())
     h.update(f"\0seed={seed}\0device={device.type}".encode())
     return h.hexdigest()
+
+
+def config_dir_of(spec: str | Path) -> Path:
+    """The directory of a model config named by `spec`: a shipped config's name, a directory
+    holding config.json, or a config.json file (benchmarks' `--model-config`)."""
+    p = Path(spec)
+    if p.is_file():
+        return p.parent
+    if (p / "config.json").is_file():
+        return p
+    shipped = shipped_config_dir(str(spec))
+    if shipped is None:
+        raise FileNotFoundError(f"no model config {spec!r}: not a config.json, a directory "
+                                f"holding one, or a shipped config ({', '.join(shipped_configs())})")
+    return shipped
