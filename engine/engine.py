@@ -292,7 +292,8 @@ class Engine(EngineBase):
 
     @collective
     def clear_storage(self) -> None:
-        """Delete every page of the L3 backend; call while idle."""
+        """Delete this engine's pages from the L3 backend (its namespace where the backend can
+        tell namespaces apart, else every page: docs/storage.md); call while idle."""
         self._storage_admin(lambda c: c.clear_storage())
 
     def _storage_admin(self, op: Any, undo: bool = False) -> None:

@@ -233,6 +233,7 @@ class StorageBackend(ABC):
         self._namespace = bytes.fromhex(config.namespace) if config.namespace else b""
         self._scratch_buffers = ThreadBuffers()  # records read into temporaries
         self._scratch = self._scratch_buffers.take
+        self._last_get = threading.local()  # per thread: the corrupt keys of its latest get
 
     # -- to implement ---------------------------------------------------------------------
 
@@ -390,8 +391,15 @@ class StorageBackend(ABC):
                 nbytes += n
         if bad:
             self.report_corrupt(bad)
+        self._last_get.corrupt = bad
         self._count(get_pages=len(keys), get_hits=sum(ok), bytes_read=nbytes)
         return ok
+
+    def corrupt_in_last_get(self) -> list[str]:
+        """The keys that the calling thread's latest `batch_get` / `batch_get_parts` dropped
+        as corrupt (a False there is otherwise a miss or a failure). A backend that overrides
+        `batch_get` without `_tally` reports none."""
+        return list(getattr(self._last_get, "corrupt", ()))
 
     def batch_set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
         if not _paired(keys, values, "values"):

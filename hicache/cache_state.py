@@ -275,8 +275,9 @@ class CacheState:
         self.controller = self._make_controller()
 
     def clear_storage(self) -> None:
-        """Delete every page of the attached L3 backend (other instances' pages included).
-        Waits for transfers in flight first. Call while idle."""
+        """Delete this cache's pages from the attached L3 backend (`StorageBackend.clear`: its
+        namespace where the backend can tell namespaces apart, else every page; see
+        docs/storage.md). Waits for transfers in flight first. Call while idle."""
         if self.storage is None:
             raise ConfigError("no storage backend is attached")
         self.prefetcher.cancel_all()

@@ -127,7 +127,7 @@ class HiRadixCache(CacheState):
         end = last_dev
         dev_tokens = sum(len(x.key) for x in dev_nodes)
         host_tokens = sum(len(x.key) for x in host_nodes)
-        loaded = 0
+        loaded = wanted = 0
         load: list[TreeNode] = []
         counter: LayerDoneCounter | None = None
         if host_nodes:
@@ -138,6 +138,7 @@ class HiRadixCache(CacheState):
                     break
                 load.append(x)
                 loaded += len(x.key)
+            wanted = loaded
             if load and loaded >= cfg.load_back_threshold:
                 counter = self._load_back(last_dev, load, layerwise)
             if counter is None:
@@ -145,6 +146,10 @@ class HiRadixCache(CacheState):
             if load:
                 end = load[-1]
             self.counters.load_back_skipped_tokens += host_tokens - loaded
+        # The pages this request's prefetch brought are the deepest host nodes: a load cut
+        # short (cost model, threshold, device room) leaves them out first.
+        storage_hit = min(from_storage, max(0, loaded - (host_tokens - from_storage)))
+        self.prefetcher.admitted(from_storage, storage_hit, host_tokens - wanted, wanted)
         tick = self.tree.clock()
         used = nodes[: n_dev + len(load)] if loaded else dev_nodes
         for x in used:
@@ -166,7 +171,6 @@ class HiRadixCache(CacheState):
             # held them when their backup was acked). Never a copy a write is still filling.
             loaded_or_unused = set(map(id, host_nodes))
             trim(self, [x for x in reversed(nodes) if id(x) in loaded_or_unused or x.stored])
-        storage_hit = min(from_storage, loaded)
         host_hit = loaded - storage_hit
         pages: list[int] = []
         for x in used:

@@ -81,6 +81,10 @@ class PrefetchOp:
     cancelled: bool = False
     released: bool = False  # leftover host pages given back
     acked: bool = False  # its completion was applied by the owner (agreed by every rank)
+    # At admission (`take`): whether the read was still going on, and how many of its pages
+    # had an outcome counted then (the rest get theirs when it is released).
+    late: bool = False
+    accounted: int = 0
     # Pages this rank read when the ranks agreed on fewer (`completed` is then the agreed
     # count); -1: none agreed away.
     read_here: int = -1

@@ -123,8 +123,12 @@ class Prefetcher:
         c = self.c
         op.acked = True
         if is_probe(op):
+            found = op.completed * c.page_size
+            c.counters.storage_probed_tokens += found
             if self.pending.get(op.request_id) is op:
                 self._fetch(op)
+            else:  # admitted before L3 answered (`take`), or the request went away
+                c.counters.outcome("timeout" if op.taken is not None else "cancelled", found)
             return
         st = c.counters
         st.prefetch_pages += op.completed
@@ -139,11 +143,17 @@ class Prefetcher:
         and read them."""
         c = self.c
         ps = c.page_size
-        n = min(probe.completed, self._allowance())
+        outcome = c.counters.outcome
+        n = max(0, min(probe.completed, self._allowance()))
+        outcome("host_capacity", (probe.completed - n) * ps)  # the prefetch share is used up
         if n > 0:  # fetch only what is cheaper to load than to recompute (cost model)
-            n = c.controller.plan_load(0, n * ps, ps).storage_tokens // ps
-        host = c.alloc_host(n) if self.worth_prefetching(n * ps) else None
+            planned = c.controller.plan_load(0, n * ps, ps).storage_tokens // ps
+            outcome("recomputed_by_cost_model", (n - planned) * ps)
+            n = planned
+        worth = self.worth_prefetching(n * ps)
+        host = c.alloc_host(n) if worth else None
         if host is None:  # nothing in L3 (or too little), or no host room
+            outcome("host_capacity" if worth else "below_threshold", n * ps)
             c.counters.prefetch_skipped += 1
             del self.pending[probe.request_id]
             c.unpinned(c.tree.dec_host_ref(probe.anchor))
@@ -213,19 +223,25 @@ class Prefetcher:
         op.stop.set()
         if is_probe(op):
             op.cancelled = True
+            op.taken = 0  # (its ack counts what L3 held as come too late)
             c.unpinned(c.tree.dec_host_ref(op.anchor))
             return 0
         # Pages read so far (the worker may still be reading): the fewest any rank has.
         take = c.controller.agree_min(op.completed)[0]
+        op.late, op.accounted = not op.acked, take
         # Where the fetched pages attach: the end of their prefix, if the tree still holds all
         # of it (its device-only part may have been evicted meanwhile: then nothing is taken).
         ek = op.anchor.extra_key
         nodes = c.tree.match_split(op.tokens[: op.start_page * ps], ek)
         if sum(x.num_pages for x in nodes) != op.start_page:
+            c.counters.outcome("evicted_before_use", take * ps)
             take = 0
         op.taken = take
         anchor = nodes[-1] if nodes else c.tree.root(ek)
         new_tokens, dups = self._insert_host_pages(op, anchor, take)
+        # Pages the tree had meanwhile (a duplicate host copy, or one a device-only node gains):
+        # served from the tree; the new ones get their outcome at admission (`HiRadixCache`).
+        c.counters.outcome("already_cached", take * ps - new_tokens)
         if dups:
             c.host_alloc.free(dups)
             c.counters.prefetch_revoked_pages += len(dups)
@@ -235,6 +251,21 @@ class Prefetcher:
         if op.acked:  # (else released when its ack is applied)
             self.released(op)
         return new_tokens
+
+    def admitted(self, fetched: int, hit: int, planned_out: int, wanted: int) -> None:
+        """Outcomes of the `fetched` tokens a prefetch brought for a request at its admission:
+        `hit` loaded; of the rest, those past the cost model's plan (`planned_out` tokens of the
+        host hit were) recomputed by it; the others under the load-back threshold, or left for
+        lack of device room (`wanted` tokens were to be loaded)."""
+        if not fetched:
+            return
+        out = self.c.counters.outcome
+        out("reused", hit)
+        rest = fetched - hit
+        by_plan = min(rest, planned_out)
+        out("recomputed_by_cost_model", by_plan)
+        below = wanted < self.c.config.load_back_threshold
+        out("below_threshold" if below else "device_capacity", rest - by_plan)
 
     def _insert_host_pages(
         self, op: PrefetchOp, node: TreeNode, take: int
@@ -281,6 +312,15 @@ class Prefetcher:
             c.host_alloc.free(left)
         read = max(op.completed, op.read_here)  # (more than agreed: read, then given up)
         c.counters.prefetch_revoked_pages += max(0, read - (op.taken or 0))
+        # The outcome of the pages admission did not take: all of them when the request went
+        # away; else those still on their way then (late), or those a failed read never gave.
+        rest = (len(op.keys) - op.accounted) * c.page_size
+        if op.cancelled:
+            c.counters.outcome("cancelled", len(op.keys) * c.page_size)
+        elif op.late:
+            c.counters.outcome("timeout", rest)
+        else:
+            c.counters.outcome("corrupt" if op.corrupt else "read_failed", rest)
 
 
 class ProbingTransfer:

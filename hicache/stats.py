@@ -5,7 +5,28 @@ Every field counts tokens unless its name says pages, bytes or seconds.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Where each storage-hit token goes (`CacheStats.storage_hit_outcomes`): a token L3 said it holds,
+# when a request's prefetch asked (`storage_probed_tokens`), ends in exactly one of these.
+STORAGE_HIT_OUTCOMES: tuple[str, ...] = (
+    "reused",  # read from L3 and loaded for the request: a storage hit
+    "already_cached",  # read, but the tree had the page meanwhile (served from device or host)
+    "below_threshold",  # not read or not loaded: fewer tokens than the prefetch/load-back floor
+    "recomputed_by_cost_model",  # recomputing them was measured cheaper than loading them
+    "host_capacity",  # no host memory to read them into (or the prefetch share was used up)
+    "device_capacity",  # read, but no device room to load them for the request
+    "timeout",  # still on its way when the request was admitted (the prefetch policy)
+    "read_failed",  # the read stopped at a page that was gone, or the backend failed
+    "corrupt",  # the read stopped at a record that failed validation
+    "evicted_before_use",  # read, but the prefix they extend left the tree before admission
+    "cancelled",  # the request went away (abort, reset) before admission
+)
+
+
+def no_outcomes() -> dict[str, int]:
+    return dict.fromkeys(STORAGE_HIT_OUTCOMES, 0)
 
 
 @dataclass
@@ -45,6 +66,11 @@ class CacheStats:
     storage_failed_pages: int = 0  # writes the backend refused
     storage_errors: int = 0  # backend operations that raised
     corrupt_pages: int = 0  # records that failed validation on read
+    # Tokens L3 held for the requests that asked it (leading run found by prefetch probes), and
+    # the one outcome each of them came to (STORAGE_HIT_OUTCOMES; once every prefetch of a run
+    # has ended, the outcomes sum to `storage_probed_tokens`).
+    storage_probed_tokens: int = 0
+    storage_hit_outcomes: dict[str, int] = field(default_factory=no_outcomes)
 
     @property
     def hit_tokens(self) -> int:
@@ -55,8 +81,13 @@ class CacheStats:
         """Cached prompt tokens / prompt tokens."""
         return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dict(asdict(self))
+    def outcome(self, name: str, tokens: int) -> None:
+        """Count `tokens` storage-hit tokens as having come to outcome `name`."""
+        if tokens:
+            self.storage_hit_outcomes[name] += tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = dict(asdict(self))
         d["hit_tokens"] = self.hit_tokens
         d["hit_rate"] = self.hit_rate
         return d

@@ -148,7 +148,9 @@ class TensorTransfer:
         table, views = self._staging(len(keys))
         ok = self.storage.batch_get(list(keys), views)  # checksums and key digests checked
         good = next((i for i, g in enumerate(ok) if not g), len(ok))
-        corrupt = 0
+        # The read stops at the first page not delivered: a corrupt record (the backend
+        # dropped it), or one that is gone (a miss, a failure).
+        corrupt = int(good < len(keys) and keys[good] in self.storage.corrupt_in_last_get())
         if good:
             hdr, mask = self._header_template()
             heads = table[:good, :HEADER_BYTES].numpy()

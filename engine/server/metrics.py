@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.stats import STORAGE_HIT_OUTCOMES
+
 PREFIX = "hicache:"
 
 # (metric name without _total, CacheStats field, help) for counters read from the snapshot.
@@ -34,6 +36,8 @@ CACHE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("storage_errors", "storage_errors", "L3 backend operations that raised."),
     ("storage_failed_pages", "storage_failed_pages", "L3 page writes the backend refused."),
     ("corrupt_pages", "corrupt_pages", "L3 records that failed validation on read."),
+    ("storage_probed_tokens", "storage_probed_tokens",
+     "Prompt tokens L3 held when requests' prefetches asked (each comes to one outcome)."),
 )
 # (gauge name, usage key, help) for pool occupancy.
 USAGE_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -73,6 +77,15 @@ class _CacheCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc)
             c.add_metric([], float(s.get(key, 0)))
             yield c
+        c = CounterMetricFamily(
+            PREFIX + "storage_hit_outcome_tokens",
+            "Storage-hit tokens by where they went (hicache.stats.STORAGE_HIT_OUTCOMES).",
+            labels=["outcome"],
+        )
+        outcomes: Mapping[str, Any] = s.get("storage_hit_outcomes") or {}
+        for outcome in STORAGE_HIT_OUTCOMES:
+            c.add_metric([outcome], float(outcomes.get(outcome, 0)))
+        yield c
         c = CounterMetricFamily(PREFIX + "backuped_tokens", "Tokens written to L3 storage.")
         c.add_metric([], float(s.get("storage_backup_pages", 0)) * page)
         yield c

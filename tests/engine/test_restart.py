@@ -48,6 +48,10 @@ def test_restart_serves_prefix_from_storage(tiny_model: Path, tmp_path: Path) ->
     assert stats["device_hit_tokens"] == stats["host_hit_tokens"] == 0
     assert got["meta_info"]["cached_tokens"] == history_pages * 4
     assert stats["storage"]["get_hits"] >= history_pages
+    # Every token L3 held for it was reused (issue 31's outcome accounting).
+    assert stats["storage_probed_tokens"] == history_pages * 4
+    assert {k: v for k, v in stats["storage_hit_outcomes"].items() if v} == {
+        "reused": history_pages * 4}
 
 
 def test_default_engine_on_a_populated_store_serves_from_l3(tiny_model: Path,

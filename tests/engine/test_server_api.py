@@ -511,6 +511,15 @@ def test_metrics(server: EngineServer) -> None:
     backuped = [float(x.split()[-1]) for x in text.splitlines()
                 if x.startswith("hicache:backuped_tokens_total ")]
     assert backuped and backuped[0] == server.stats()["storage_backup_pages"] * 32 > 0
+    # Where every storage-hit token went: one labelled counter per outcome, as in the stats,
+    # summing to the tokens probed.
+    stats = server.stats()
+    outcomes = {ln.split('"')[1]: float(ln.split()[-1]) for ln in text.splitlines()
+                if ln.startswith("hicache:storage_hit_outcome_tokens_total{")}
+    assert outcomes == {k: float(v) for k, v in stats["storage_hit_outcomes"].items()}
+    assert sum(outcomes.values()) == stats["storage_probed_tokens"] == float(
+        [ln for ln in text.splitlines()
+         if ln.startswith("hicache:storage_probed_tokens_total ")][0].split()[-1])
 
 
 def test_request_log_reaches_engine(server: EngineServer) -> None:
