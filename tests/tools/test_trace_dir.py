@@ -78,6 +78,10 @@ def test_tokenizer_and_model_path_names(capsys: pytest.CaptureFixture[str]) -> N
                               "hicache-demo", "--page-size", "4"])
     assert rc == 0
     assert doc["config"]["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # float32 demo: 4096
+    # A shipped config by name (the engine's --load-format dummy takes the same names).
+    from tools.hitrate.sizes import kv_bytes_from_model
+
+    assert kv_bytes_from_model("llama-3.1-8b") == 2 * 32 * 8 * 128 * 2  # bfloat16
     for flag in ("--tokenizer", "--model-path"):
         rc, _, err = run(capsys, [str(CHAT), flag, "no-such-model"])
         assert rc == 2
