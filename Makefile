@@ -35,13 +35,17 @@ PORT       ?= 30000
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The thin client distribution (SGLang / LMCache plugins + wire client + codec, docs/sglang.md):
+# `make client-wheel` writes dist/hicache_client-*.whl. The main distribution requires it.
+CLIENT_DIR := clients/hicache-client
 
-.PHONY: setup sysdeps run test lint bench clean
+.PHONY: setup sysdeps run test lint bench clean client-wheel
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml clients/client_split.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e $(CLIENT_DIR)
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install --no-deps $(SGLANG_SPEC) $(SGLANG_DEPS)
 	if [ -n "$(SGLANG_TORCHVISION)" ]; then \
@@ -51,6 +55,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+client-wheel: setup
+	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist $(CLIENT_DIR)
 
 sysdeps:
 	bash scripts/install_system_deps.sh

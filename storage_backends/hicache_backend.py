@@ -13,7 +13,7 @@ key              meaning                                           default
                  split and the parts are pipelined)
 ``batch_bytes``  most record bytes in one request (get or set)      4194304 (4 MiB)
 ``tune_malloc``  let glibc reuse freed large blocks (process-wide;   true
-                 see `storage_backends.server.store.tune_malloc`):
+                 see `storage_backends.server.malloc.tune_malloc`):
                  ~3x faster receives of 1 MiB pages
 ``shm``          a shared-memory region per connection, and the    true
                  server's store (same host; hicache_shm, _store)
@@ -73,7 +73,7 @@ from storage_backends.hicache_store import (
     store_set,
 )
 from storage_backends.server import protocol as P
-from storage_backends.server.store import tune_malloc
+from storage_backends.server.malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,10 @@ from storage_backends.server.cli import (  # noqa: F401 - re-exported
     config_from_args,
     parse_size,
 )
+from storage_backends.server.malloc import tune_malloc
 from storage_backends.server.metrics import Metrics
 from storage_backends.server.shm import ShmAttachments, copy_out, records_in
-from storage_backends.server.store import nbytes, tune_malloc
+from storage_backends.server.store import nbytes
 from storage_backends.server.tiers import Tiers
 
 logger = logging.getLogger(__name__)
