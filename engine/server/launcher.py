@@ -120,7 +120,7 @@ class Launcher:
         from engine.server.frontend import create_app
         from engine.server.metrics import ServerMetrics
         from engine.server.state import ServerState
-        from engine.tokenizer import Tokenizer
+        from engine.tokenizer import load_tokenizer
 
         args = self.args
         loop = asyncio.get_running_loop()
@@ -166,7 +166,11 @@ class Launcher:
         state: ServerState | None = None
         try:
             try:
-                tokenizer = await asyncio.to_thread(Tokenizer, tok_dir)
+                # A dummy-weight model over a config alone may have none: token ids in and out.
+                tokenizer = await asyncio.to_thread(
+                    load_tokenizer, tok_dir,
+                    optional=args.load_format == "dummy" and not args.tokenizer_path,
+                )
             except ConfigError as e:
                 print(f"hicache-engine: error: {e}", file=sys.stderr, flush=True)
                 return 2

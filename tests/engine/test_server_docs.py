@@ -405,3 +405,24 @@ def test_model_path_names_and_missing_paths(tmp_path: Path) -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "hicache-demo", r.text
+
+
+def test_dummy_model_from_a_config_alone_serves_token_ids(tmp_path: Path) -> None:
+    """`--load-format dummy` over a directory holding only config.json: the launcher starts
+    without a tokenizer (as the engine does) and serves token ids."""
+    cfg = tmp_path / "config-only"
+    cfg.mkdir()
+    (cfg / "config.json").write_bytes((ensure_demo_model() / "config.json").read_bytes())
+    port = free_port()
+    proc = ManagedProcess(engine_argv(["--model-path", str(cfg), "--load-format", "dummy",
+                                       "--port", str(port)]), tmp_path / "dummy.log",
+                          cwd=tmp_path)
+    with proc:
+        assert f"(model {cfg}, storage none," in wait_ready(proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=120,
+                       json={"input_ids": [5, 6, 7], "sampling_params": {
+                           "max_new_tokens": 3, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["text"] == "" and len(out["output_ids"]) == 3
+        assert out["meta_info"]["prompt_tokens"] == 3
