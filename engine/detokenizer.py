@@ -13,7 +13,8 @@ arrives. With a byte-level tokenizer the committed text plus the pending tail is
 `decode(ids)` at every step (tests/engine/test_detokenizer.py checks it against that quadratic
 reference).
 
-Stop strings: a match ends the text just before it (the stop string is not part of the output).
+Stop strings: a match ends the text just before it (the stop string is not part of the output;
+with `trim=False`, SGLang's `no_stop_trim`, the text ends with the token that completed it).
 Text that may still become the start of a match (a suffix equal to a stop string's prefix) is
 held back from `take()`, so a client never receives text that a later match removes.
 """
@@ -38,8 +39,9 @@ class TextStream:
     """
 
     def __init__(self, decode: DecodeFn, *, skip_special_tokens: bool = True,
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), trim: bool = True) -> None:
         self._decode = decode
+        self._trim = trim
         self._skip = skip_special_tokens
         self.stop = [s for s in stop if s]
         self._keep = max((len(s) for s in self.stop), default=1) - 1  # tail chars to keep
@@ -89,7 +91,7 @@ class TextStream:
             hit = self._find_stop(new)
             if hit is not None:
                 cut, s = hit
-                self._release((self._held + new)[:cut])
+                self._release((self._held + new)[:cut] if self._trim else self._held + new)
                 self._held = self._pending = ""
                 self.matched, self.finished = s, True
                 return s

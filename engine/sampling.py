@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Keep what ended the request in the text: the stop string (and the rest of its token's
+    # text), or the stop token's text; by default both are cut (SGLang's and vLLM's default).
+    no_stop_trim: bool = False
     min_p: float = 0.0  # 0 = off; drop tokens below min_p * the top token's probability
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI's
     presence_penalty: float = 0.0  # [-2, 2], OpenAI's

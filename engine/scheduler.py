@@ -396,12 +396,15 @@ class Scheduler:
             reason = {"type": "stop", "matched": tok}
         if req.detok is None:
             req.detok = TextStream(self.decode_text, skip_special_tokens=p.skip_special_tokens,
-                                   stop=p.stop)
+                                   stop=p.stop, trim=not p.no_stop_trim)
         # Stop strings count once min_tokens are out (EOS and stop ids: the sampler holds
-        # them back until then); a grammar that reached its end finishes the request.
-        matched = req.detok.push(
-            req.output, check_stop=reason is None and len(req.output) >= p.min_tokens
-        )
+        # them back until then); a grammar that reached its end finishes the request. The text
+        # of a stop token (EOS, stop_token_ids) is not output unless no_stop_trim.
+        matched = None
+        if reason is None or p.no_stop_trim:
+            matched = req.detok.push(
+                req.output, check_stop=reason is None and len(req.output) >= p.min_tokens
+            )
         if reason is None and matched is None and req.matcher is not None \
                 and req.matcher.terminated:
             reason = {"type": "stop", "matched": tok}

@@ -23,7 +23,14 @@ from engine.server.generation import (
     sse_response,
     start_all,
 )
-from engine.server.schemas import ApiError, GenerateBody, GenerateSampling, StorageBody, bad
+from engine.server.schemas import (
+    ApiError,
+    GenerateBody,
+    GenerateSampling,
+    StorageBody,
+    bad,
+    cache_key,
+)
 from engine.server.state import MAX_BODY_BYTES, ServerState
 
 # Keys of the extra config whose values are never shown (as the scheduler's GET does).
@@ -55,7 +62,7 @@ def _prepare_generate(state: ServerState, body: GenerateBody) -> tuple[list[Any]
             max_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
             param="sampling_params.max_new_tokens", prompt_len=len(ids),
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop,
-            stop_token_ids=sp.stop_token_ids, seed=sp.seed, ignore_eos=sp.ignore_eos,
+            stop_token_ids=sp.stop_token_ids, seed=OP.generate_seed(sp), ignore_eos=sp.ignore_eos,
             skip_special_tokens=sp.skip_special_tokens, extra=OP.generate_sampling(sp),
         )
         out.append((ids, params))
@@ -72,7 +79,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, single = got
         n = (body.sampling_params or GenerateSampling()).n
-        key = body.extra_key
+        key = cache_key(body.extra_key, body.cache_salt)
         cached: list[int] | None = None
         if n > 1:
             cached = await prefill_prompts(state, [(ids, key) for ids, _ in prepared])

@@ -28,7 +28,14 @@ from engine.server.generation import (
     start_all,
     usage,
 )
-from engine.server.schemas import ApiError, ChatBody, ChatMessage, CompletionBody, bad
+from engine.server.schemas import (
+    ApiError,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    bad,
+    cache_key,
+)
 from engine.server.state import ServerState
 
 # (token ids, sampling params, param name) of each prompt of a request.
@@ -73,12 +80,37 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
     return out, [state.decode(ids) if body.echo else "" for ids, _ in out]
 
 
+def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
+    """The prompt's ids: the chat template over the messages; with `continue_final_message`
+    and a last message from the assistant, the template over the others (with its generation
+    prompt) followed by that message's text, as SGLang builds it; or `input_ids` as given."""
+    if body.input_ids is not None:
+        return state.tokenize(body.input_ids, "input_ids")
+    msgs: list[dict[str, str]] = []
+    for i, m in enumerate(body.messages):
+        msgs.append({"role": m.role, "content": _chat_text(m, i)})
+        if m.name is not None:
+            msgs[-1]["name"] = m.name
+    prefix = None
+    if body.continue_final_message and msgs[-1]["role"] == "assistant":
+        prefix = msgs.pop()["content"]
+        if not msgs:
+            raise bad("continue_final_message needs a message before the assistant's",
+                      "continue_final_message")
+    ids = state.chat_ids(msgs, template_kwargs=body.chat_template_kwargs)
+    if prefix:
+        tok = state.tokenize(prefix, f"messages.{len(msgs)}.content")
+        bos = getattr(state.tokenizer.hf, "bos_token_id", None)
+        ids += tok[1:] if tok[0] == bos else tok
+        state.check_prompt(ids, "messages")
+    return ids
+
+
 def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     state.check_n(body.n, 1)
-    msgs = [{"role": m.role, "content": _chat_text(m, i)} for i, m in enumerate(body.messages)]
-    ids = state.chat_ids(msgs)
+    ids = _chat_prompt(state, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     return [(ids, _params(state, body, len(ids), max_tokens))]
@@ -143,8 +175,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         prepared, echoes = got
         n = body.n
         lp_spec = OP.completion_logprobs(body)
-        gens, cached = await _launch(state, prepared, n, body.cache_salt, lp_spec)
-        cid, created = f"cmpl-{gens[0].rid}", int(time.time())
+        gens, cached = await _launch(state, prepared, n, cache_key(body.extra_key,
+                                                                   body.cache_salt), lp_spec)
+        cid, created = body.rid or f"cmpl-{gens[0].rid}", int(time.time())
 
         def logprobs(u: Update, first: int = 0, offset: int = 0,
                      echo: bool = False) -> dict[str, Any] | None:
@@ -196,8 +229,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
         assert prepared is not None
         n = body.n
-        gens, cached = await _launch(state, prepared, n, body.cache_salt, OP.chat_logprobs(body))
-        cid, created = f"chatcmpl-{gens[0].rid}", int(time.time())
+        gens, cached = await _launch(state, prepared, n, cache_key(body.extra_key, body.cache_salt),
+                                     OP.chat_logprobs(body))
+        cid, created = body.rid or f"chatcmpl-{gens[0].rid}", int(time.time())
 
         def logprobs(u: Update, first: int = 0) -> dict[str, Any] | None:
             return LF.chat_logprobs(u.logprobs, tok_text, first) if u.logprobs else None

@@ -4,6 +4,8 @@ issue 17: penalties, `min_p`, `logit_bias`, `min_tokens`, structured output and 
 * `response_format`: `json_object` is the schema `{"type": "object"}`, `json_schema` its
   `json_schema.schema`, `text` nothing (engine.grammar compiles them; a schema that does not
   compile is a 400 from the scheduler's admission).
+* SGLang's own: `json_schema` / `regex` / `ebnf` (completions; chat `regex` / `ebnf`; in
+  `sampling_params`), `no_stop_trim`, `sampling_seed` (`seed`).
 * Logprobs, as `GenerateReq.logprobs` (`{"top_logprobs_num", "logprob_start_len"}`):
   completions `logprobs: k` (`echo` adds the prompt's, from token 0), chat `logprobs: true` with
   `top_logprobs: k`, SGLang's `return_logprob` / `top_logprobs_num` / `logprob_start_len`.
@@ -51,26 +53,50 @@ def _response_format(rf: ResponseFormat | None) -> dict[str, Any]:
               f"{rf.type!r}", "response_format.type")
 
 
+def _grammar(body: CompletionBody | ChatBody | GenerateSampling) -> dict[str, Any]:
+    """SGLang's `json_schema` / `regex` / `ebnf` (SamplingParams refuses more than one)."""
+    out = {}
+    for kind in ("json_schema", "regex", "ebnf"):
+        v = getattr(body, kind, None)
+        if v is not None:
+            out[kind] = v
+    return out
+
+
 def openai_sampling(body: CompletionBody | ChatBody) -> dict[str, Any]:
     """The sampling parameters of an OpenAI body beyond those `ServerState.sampling` reads."""
     out = _common(body)
     if body.min_tokens is not None:
         out["min_tokens"] = body.min_tokens
-    out.update(_response_format(body.response_format))
+    if body.no_stop_trim:
+        out["no_stop_trim"] = True
+    out.update(_grammar(body))
+    rf = _response_format(body.response_format)
+    if rf and out.keys() & {"json_schema", "regex", "ebnf"}:
+        raise bad("give response_format or one of json_schema, regex, ebnf, not both",
+                  "response_format")
+    out.update(rf)
     return out
 
 
 def generate_sampling(sp: GenerateSampling) -> dict[str, Any]:
     """The same for SGLang's `sampling_params` (`min_new_tokens`, `json_schema`, `regex`,
-    `ebnf`)."""
+    `ebnf`, `no_stop_trim`)."""
     out = _common(sp)
     if sp.min_new_tokens is not None:
         out["min_tokens"] = sp.min_new_tokens
-    for kind in ("json_schema", "regex", "ebnf"):
-        v = getattr(sp, kind)
-        if v is not None:
-            out[kind] = v
+    if sp.no_stop_trim:
+        out["no_stop_trim"] = True
+    out.update(_grammar(sp))
     return out
+
+
+def generate_seed(sp: GenerateSampling) -> int | None:
+    """`seed`, or SGLang's name of it, `sampling_seed`."""
+    if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
+        raise bad("seed and sampling_seed differ (they are one setting)",
+                  "sampling_params.sampling_seed")
+    return sp.seed if sp.seed is not None else sp.sampling_seed
 
 
 def _top(k: int, param: str) -> int:
@@ -98,7 +124,8 @@ def chat_logprobs(body: ChatBody) -> LogprobSpec | None:
 def generate_logprobs(body: GenerateBody) -> LogprobSpec | None:
     if not body.return_logprob:
         return None
-    if body.logprob_start_len < -1:
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start < -1:
         raise bad("logprob_start_len must be -1 or >= 0", "logprob_start_len")
-    return {"top_logprobs_num": _top(body.top_logprobs_num, "top_logprobs_num"),
-            "logprob_start_len": body.logprob_start_len}
+    return {"top_logprobs_num": _top(body.top_logprobs_num or 0, "top_logprobs_num"),
+            "logprob_start_len": start}

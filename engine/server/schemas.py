@@ -1,9 +1,12 @@
-"""Request bodies of the HTTP API and their decoding: errors, strict models, unsupported fields.
+"""Request bodies of the HTTP API and their decoding: errors, strict models, the fields of
+other engines' APIs.
 
 Bodies are strict: a wrong type is a 400, not a coercion, and a field the server does not know
-is a 400 naming it (`--allow-unknown-fields` drops unknown fields instead). Fields of the OpenAI
-and SGLang APIs that the engine cannot honour (tools, best_of, suffix, vLLM's guided_*, ...)
-are refused with a 400 naming them unless they carry their neutral value, whatever
+is a 400 naming it (`--allow-unknown-fields` drops unknown fields instead). The request schema
+of SGLang's server (its OpenAI routes, `/generate` and its `sampling_params`) is accepted: the
+fields the engine honours are declared in the models below, and every other field SGLang, vLLM
+or OpenAI define is a row of `engine.server.request_fields`: taken when its value asks nothing
+of this engine (its default, mostly), refused with a 400 naming it otherwise, whatever
 `--allow-unknown-fields` says: a client never gets output that silently ignored what it asked.
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -12,12 +15,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pydantic_core
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.server import request_fields as RF
 
 # Bodies this size or smaller are parsed a second time (by the stdlib) after a JSON error, to
 # name the field that holds a lone surrogate.
@@ -71,6 +76,8 @@ class ResponseFormat(_Body):
 
 
 class _OpenAISampling(_Body):
+    """The fields completions and chat share (OpenAI's and SGLang's extensions)."""
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -84,9 +91,13 @@ class _OpenAISampling(_Body):
     seed: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string / stop token's text
     user: str | None = None
+    rid: str | None = None  # the client's name of the request: the response's id
     # Cache isolation (a tenant salt): requests with different salts never share pages.
+    # SGLang's extra_key does the same; both given, the pair is the namespace.
     cache_salt: str | None = None
+    extra_key: str | None = None
     # Sampling beyond the basics (engine.server.openai_params maps them).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -95,6 +106,9 @@ class _OpenAISampling(_Body):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    # SGLang's structured output (at most one; or response_format).
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionBody(_OpenAISampling):
@@ -102,6 +116,7 @@ class CompletionBody(_OpenAISampling):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
+    json_schema: str | None = None
 
 
 class TextPart(_Body):
@@ -112,13 +127,19 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None  # given to the chat template
 
 
 class ChatBody(_OpenAISampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = None  # max_tokens under its newer name (it wins)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # The last message, an assistant's, is continued: the template's generation prompt, then
+    # its text (SGLang's way).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template
+    input_ids: list[int] | None = None  # the prompt already tokenized (no template)
 
 
 class GenerateSampling(_Body):
@@ -127,10 +148,12 @@ class GenerateSampling(_Body):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name of `seed`
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
     n: int = 1  # parallel sampling: n outputs of each prompt that share its pages
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -150,9 +173,10 @@ class GenerateBody(_Body):
     stream: bool = False
     rid: str | None = None  # the client's name for the request (echoed as meta_info.id)
     extra_key: str | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    cache_salt: str | None = None  # as extra_key (both given: the pair)
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+    logprob_start_len: int | None = None
     return_text_in_logprobs: bool = False
     # Routing information a gateway (smg, sglang-router) adds to the body; one model is served,
     # so it is accepted and not otherwise used.
@@ -164,55 +188,48 @@ class StorageBody(_Body):
     extra_config: dict[str, Any] | None = None
 
 
-# ---- fields refused unless neutral --------------------------------------------------------------
+# ---- other APIs' fields (engine.server.request_fields) ------------------------------------------
 
 
-def _none_or(*neutral: Any) -> Callable[[Any], bool]:
-    return lambda v: v is None or any(v == x and type(v) is type(x) for x in neutral)
+def cache_key(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The cache namespace of a request that names `extra_key` and / or `cache_salt`."""
+    if extra_key is None or cache_salt is None:
+        return extra_key if cache_salt is None else cache_salt
+    return json.dumps([extra_key, cache_salt])
 
 
-def _empty(v: Any) -> bool:
-    return v is None or v == [] or v == {}
-
-
-# Penalties, logprobs and response_format are implemented (engine.server.openai_params; SGLang's
-# regex / ebnf / json_schema on /generate); tools are refused (docs/server.md).
-_OPENAI_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
-    "tool_choice": _none_or("none"), "functions": _empty, "function_call": _none_or("none"),
-    "parallel_tool_calls": _none_or(False, True), "best_of": _none_or(1), "suffix": _none_or(""),
-    "regex": _none_or(), "ebnf": _none_or(), "json_schema": _none_or(),
-    "guided_json": _none_or(), "guided_regex": _none_or(), "guided_grammar": _none_or(),
-    "guided_choice": _none_or(),
-}
-_SAMPLING_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "structural_tag": _none_or(), "stop_regex": _none_or(),
-}
-_GENERATE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "token_ids_logprob": _none_or(), "image_data": _empty, "audio_data": _empty,
-    "video_data": _empty, "lora_path": _none_or(), "return_hidden_states": _none_or(False),
-    "custom_logit_processor": _none_or(), "session_params": _none_or(),
-    # Fields the smg gateway sends with every forwarded request, at these values.
-    "log_metrics": _none_or(True), "no_logs": _none_or(False), "background": _none_or(False),
-    "return_bytes": _none_or(False), "return_entropy": _none_or(False),
-}
-UNSUPPORTED: dict[type[BaseModel], dict[str, Callable[[Any], bool]]] = {
-    CompletionBody: _OPENAI_UNSUPPORTED, ChatBody: _OPENAI_UNSUPPORTED,
-    GenerateBody: _GENERATE_UNSUPPORTED,
+_SCOPE: dict[type[BaseModel], str] = {
+    CompletionBody: RF.COMPLETION, ChatBody: RF.CHAT, GenerateBody: RF.GENERATE,
 }
 
 
-def _refuse_unsupported(data: dict[str, Any], table: Mapping[str, Callable[[Any], bool]],
-                        prefix: str = "") -> None:
-    """Raise for a field of `table` with a value other than its neutral one; drop the neutral
-    ones (the models do not declare them)."""
-    for name, neutral in table.items():
-        if name not in data:
-            continue
-        if not neutral(data[name]):
-            raise bad(f"{prefix}{name} is not supported by this server (it would be ignored, so "
-                      "the request is refused)", prefix + name, code="unsupported_parameter")
+def _take(data: dict[str, Any], table: Mapping[str, RF.Row], prefix: str = "") -> None:
+    """Raise for a field of `table` with a value its row does not take; drop the others (the
+    models do not declare them)."""
+    for name in [n for n in data if n in table]:
+        value = data[name]
+        if not table[name].takes(value):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise bad(f"{prefix}{name} is not supported by this server with the value {shown}: "
+                      f"it asks for {table[name].asks}, which this engine does not do (it would "
+                      "be ignored, so the request is refused)", prefix + name,
+                      code="unsupported_parameter")
         del data[name]
+
+
+def _take_fields(data: dict[str, Any], scope: str) -> None:
+    _take(data, RF.TABLES[scope])
+    nested = {RF.GENERATE: (("sampling_params", RF.SAMPLING),),
+              RF.COMPLETION: (("stream_options", RF.STREAM_OPTIONS),),
+              RF.CHAT: (("stream_options", RF.STREAM_OPTIONS),)}[scope]
+    for key, where in nested:
+        if isinstance(data.get(key), dict):
+            _take(data[key], RF.TABLES[where], key + ".")
+    if scope == RF.CHAT and isinstance(data.get("messages"), list):
+        for i, msg in enumerate(data["messages"]):
+            if isinstance(msg, dict):
+                _take(msg, RF.TABLES[RF.MESSAGE], f"messages.{i}.")
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -260,14 +277,11 @@ def load_json(raw: bytes) -> dict[str, Any]:
 
 
 def validate(data: dict[str, Any], model: type[Any], allow_unknown: bool = False) -> Any:
-    """`data` as `model`, strictly; unsupported fields refused, unknown ones refused (or dropped
-    with `allow_unknown`)."""
-    table = UNSUPPORTED.get(model)
-    if table is not None:
-        _refuse_unsupported(data, table)
-    sp = data.get("sampling_params")
-    if model is GenerateBody and isinstance(sp, dict):
-        _refuse_unsupported(sp, _SAMPLING_UNSUPPORTED, "sampling_params.")
+    """`data` as `model`, strictly; other APIs' fields taken or refused, unknown ones refused
+    (or dropped with `allow_unknown`)."""
+    scope = _SCOPE.get(model)
+    if scope is not None:
+        _take_fields(data, scope)
     for _ in range(8):  # each retry drops the unknown fields pydantic reported
         try:
             return model.model_validate(data)

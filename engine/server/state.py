@@ -146,11 +146,15 @@ class ServerState:
         self.check_prompt(ids, param)
         return ids
 
-    def chat_ids(self, messages: list[dict[str, str]], param: str = "messages") -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], param: str = "messages",
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The chat template over `messages` with its generation prompt; `template_kwargs`:
+        extra variables of the template (SGLang's `chat_template_kwargs`)."""
         self.check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), param)
         try:
             with self._tok_lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         **(template_kwargs or {}))
         except ConfigError as e:
             raise bad(str(e), param) from e
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault

@@ -92,11 +92,11 @@ def test_n_samples_stream_with_their_index(server: EngineServer) -> None:
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"regex": "[a-z]+"}, "regex"),
+    ("/v1/completions", {"stop_regex": "[a-z]+"}, "stop_regex"),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/generate", {"token_ids_logprob": [1, 2]}, "token_ids_logprob"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2, "stop_regex": "a"}},
      "sampling_params.stop_regex"),
@@ -105,11 +105,11 @@ UNKNOWN: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
     ("/v1/completions", {"stream_options": {"include_usage": True, "extra": 1}},
      "stream_options.extra"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
-     "messages.0.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "nick": "bob"}]},
+     "messages.0.nick"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2, "no_such_param": 1}},
      "sampling_params.no_such_param"),
-    ("/generate", {"lora_id": "x"}, "lora_id"),
+    ("/generate", {"lora_name": "x"}, "lora_name"),
 ]
 NEUTRAL: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
@@ -201,7 +201,7 @@ def test_openai_client_n_and_refusals(server: EngineServer) -> None:
                                            max_tokens=4, temperature=1.0, seed=4)
     assert texts == {c.index: c.message.content for c in whole.choices}
     for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-               {"tool_choice": "auto"}):
+               {"tool_choice": "required"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="hicache-demo", messages=messages,  # type: ignore[arg-type]
                                            max_tokens=2, **kw)  # type: ignore[arg-type]
