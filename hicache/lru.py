@@ -77,16 +77,46 @@ class LRUByteStore(Generic[V]):
         self._bytes += size
         return evicted
 
-    def make_room(self, size: int) -> list[tuple[str, V]] | None:
+    def make_room(
+        self, size: int, keep: Callable[[str, V], bool] | None = None
+    ) -> list[tuple[str, V]] | None:
         """Evict from the LRU end until `size` more bytes fit; the entries evicted, or None
-        (nothing evicted) when `size` exceeds the whole capacity."""
+        (nothing evicted) when `size` exceeds the whole capacity. `keep(key, value)`: entries
+        never to evict (pinned, being read); each one met is made the most recently used, and
+        when the others cannot free enough, nothing is evicted and None is returned."""
         if self.capacity_bytes and size > self.capacity_bytes:
             return None
+        if keep is not None:
+            return self._make_room_keeping(size, keep)
         evicted: list[tuple[str, V]] = []
         while self.capacity_bytes and self._bytes + size > self.capacity_bytes:
             k, v = self._data.popitem(last=False)
             self._bytes -= self._size(v)
             evicted.append((k, v))
+        return evicted
+
+    def _make_room_keeping(
+        self, size: int, keep: Callable[[str, V], bool]
+    ) -> list[tuple[str, V]] | None:
+        need = self._bytes + size - self.capacity_bytes
+        if not self.capacity_bytes or need <= 0:
+            return []
+        victims: list[str] = []
+        kept: list[str] = []
+        for k, v in self._data.items():  # least recently used first
+            if keep(k, v):
+                kept.append(k)
+                continue
+            victims.append(k)
+            need -= self._size(v)
+            if need <= 0:
+                break
+        if need > 0:
+            return None
+        for k in kept:  # met at the LRU end: moved away, so later evictions skip them fast
+            self._data.move_to_end(k)
+        evicted = [(k, self._data.pop(k)) for k in victims]
+        self._bytes -= sum(self._size(v) for _, v in evicted)
         return evicted
 
     def replace(self, key: str, value: V) -> None:

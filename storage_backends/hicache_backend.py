@@ -109,7 +109,7 @@ class HiCacheServerBackend(StorageBackend):
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
-                                 shm_bytes=self.shm_bytes,
+                                 shm_bytes=self.shm_bytes, namespace=self._namespace,
                                  populate=setting(config, "shm_populate", True))
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)

@@ -33,8 +33,9 @@ class Connections:
     connection out, so concurrent prefetch and backup threads run theirs in parallel."""
 
     def __init__(self, url: str, token: str, timeout_ms: int, *, shm: bool,
-                 shm_bytes: int, populate: bool = True) -> None:
+                 shm_bytes: int, populate: bool = True, namespace: bytes = b"") -> None:
         self.url = url
+        self.namespace = namespace  # declared on each connection (the server's stats)
         self.timeout_ms = timeout_ms
         self.shm_bytes = shm_bytes
         # Whether new connections offer a region: off by config, or after a server refused one.
@@ -61,6 +62,12 @@ class Connections:
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         s.connect(self.url)
         conn = Conn(s, self._wire)
+        if self.namespace:
+            try:
+                self._bind(conn)
+            except BaseException:
+                conn.close()
+                raise
         if self.shm_enabled:
             try:
                 self._attach(conn)
@@ -68,6 +75,15 @@ class Connections:
                 conn.close()
                 raise
         return conn
+
+    def _bind(self, conn: Conn) -> None:
+        """Tell the server this connection's namespace (it counts our misses there); a server
+        before protocol 6 does not know the request: nothing to do."""
+        reply = conn.exchange([P.BindNamespaceRequest(namespace=self.namespace.hex())])[0]
+        if isinstance(reply, P.ErrorReply):
+            if reply.code not in (P.ErrorCode.BAD_VERSION, P.ErrorCode.UNKNOWN_TYPE):
+                raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
+            self.namespace = b""  # asked once: not again
 
     def _attach(self, conn: Conn) -> None:
         """Offer the server a new region for `conn`; on a refusal, stay on TCP (log once)."""

@@ -89,6 +89,7 @@ class Wire:
     token: str
     timeout_ms: int
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    releases: bool = True  # send `shm_release` (False: the server is older than protocol 6)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Conn:
     # Slots reserved for this connection in the server's store, by record length: (offset,
     # generation, use-by time) (`hicache_store.store_set`).
     slots: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
+    posted: set[int] = field(default_factory=set)  # ids of releases sent, replies not read
 
     def exchange(
         self,
@@ -113,16 +115,24 @@ class Conn:
         writes the next records into the region while the server copies the previous ones).
         `on_reply(i, reply)` runs as each reply arrives, while later ones are still on the
         wire (a get copies its pages out then, so the received buffers are freed and reused).
-        Raises `Unreachable` when a reply does not come within the timeout."""
+        Raises `Unreachable` when a reply does not come within the timeout. A `shm_release`
+        is sent and not waited for (its reply is dropped as a late one)."""
         s, w = self.sock, self.wire
         try:
             wanted: dict[int, int] = {}
             n = 0
             for i, req in enumerate(reqs):
+                if isinstance(req, P.ShmReleaseRequest) and not w.releases:
+                    continue
                 req.request_id = next(w.ids)
                 req.token = w.token
                 wanted[req.request_id] = i
                 s.send_multipart(P.encode(req), copy=False)
+                if isinstance(req, P.ShmReleaseRequest):
+                    del wanted[req.request_id]
+                    if len(self.posted) < 1024:
+                        self.posted.add(req.request_id)
+                    continue
                 n += 1
             replies: list[P.Reply | None] = [None] * n
             got = 0
@@ -135,6 +145,12 @@ class Conn:
                 msg = P.decode([f.buffer for f in frames], expect="reply")
                 i_req = wanted.pop(msg.request_id, None)
                 if i_req is None:
+                    if msg.request_id in self.posted:  # a release's reply
+                        self.posted.discard(msg.request_id)
+                        if isinstance(msg, P.ErrorReply) and msg.code in (
+                                P.ErrorCode.BAD_VERSION, P.ErrorCode.UNKNOWN_TYPE):
+                            w.releases = False  # an older server: it keeps no leases
+                        continue
                     if isinstance(msg, P.ErrorReply) and msg.request_id == 0:
                         raise StorageError(f"server error {msg.code}: {msg.message}")
                     continue  # a late reply of an abandoned request

@@ -343,8 +343,11 @@ def locate(
     """Ask the server where `keys` are in its arena (`shm_locate`, pipelined); as each reply
     arrives, `take(i, offset, length, gen)` per key (length -1: absent; offset -1: present but
     not in the arena). Raises `ShmLost` when the server's arena is not the one mapped (it
-    restarted)."""
+    restarted). The server leases each record it locates to this connection (it is neither
+    evicted nor reused meanwhile); once every `take` has run (the copies are over) the leases
+    are released, with a request whose reply is not waited for."""
     chunks = split(len(keys), None, batch_keys, 0)  # by key count (a locate carries no bytes)
+    leased: list[int] = []
 
     def located(i_req: int, r: P.Reply) -> None:
         c = chunks[i_req]
@@ -352,11 +355,16 @@ def locate(
         assert isinstance(r, P.ShmLocateReply)
         if r.arena_id != store.id:
             raise ShmLost("the server's store is not the one mapped")
+        leased.extend(off for off in r.offsets if off >= 0)
         for i, off, n, gen in zip(c, r.offsets, r.lengths, r.gens):
             take(i, off, n, gen)
 
-    exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c]) for c in chunks],
-             located)
+    try:
+        exchange([P.ShmLocateRequest(arena_id=store.id, keys=[keys[i] for i in c])
+                  for c in chunks], located)
+    finally:
+        if leased:
+            exchange([P.ShmReleaseRequest(arena_id=store.id, offsets=leased)], None)
 
 
 def locate_get(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hicache.units import parse_bytes
 
 AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
+ADMIN_ENV = "HICACHE_SERVER_ADMIN_TOKEN"
 DEFAULT_PORT = 7480
 DEFAULT_MAX_FRAME = 64 << 20
 DEFAULT_REPLY_BUDGET = 1 << 30
@@ -43,6 +44,9 @@ class ServerConfig:
     client_reply_budget_bytes: int = DEFAULT_CLIENT_REPLY_BUDGET
     shm_max_bytes: int = DEFAULT_SHM_MAX  # 0: shared-memory attaches refused (--no-shm)
     shm_store_bytes: int = -1  # the arena's data bytes; -1: sized from capacity; 0: off
+    admin_token: str | None = None  # None: the admin API is off
+    pin_share: float = 0.5  # most of --capacity pinned pages may hold
+    read_lease_ms: int = 10_000  # how long a record located for a read in place is held
 
     @property
     def arena_bytes(self) -> int:
@@ -66,6 +70,11 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
     if args.reply_budget < args.client_reply_budget:
         parser.error("--reply-budget must be at least --client-reply-budget")
     token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
+    admin = args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_ENV) or None
+    if not 0 <= args.pin_share <= 1:
+        parser.error("--pin-share must be between 0 and 1")
+    if args.read_lease_ms <= 0:
+        parser.error("--read-lease-ms must be > 0")
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -83,6 +92,9 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         client_reply_budget_bytes=args.client_reply_budget,
         shm_max_bytes=0 if args.no_shm else args.shm_max_bytes,
         shm_store_bytes=-1 if args.shm_store_bytes is None else args.shm_store_bytes,
+        admin_token=admin,
+        pin_share=args.pin_share,
+        read_lease_ms=args.read_lease_ms,
     )
     return config, args.log_level
 
@@ -151,6 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"shared token every request must carry (default: env {AUTH_ENV}; unset = no auth). "
         "Prefer the environment variable: command lines are visible to other users",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"token of the admin API (hicache-admin: lookup, pin, unpin, clear, stats) "
+        f"(default: env {ADMIN_ENV}; unset = the admin API is off)",
+    )
+    p.add_argument(
+        "--pin-share",
+        type=float,
+        default=0.5,
+        help="most of --capacity that pinned pages may hold together, 0 to 1 (default "
+        "%(default)s); a pin past it is refused",
+    )
+    p.add_argument(
+        "--read-lease-ms",
+        type=int,
+        default=10_000,
+        help="how long a page located for a read in place is kept from eviction and reuse if "
+        "its reader does not release it first (default %(default)s)",
     )
     p.add_argument(
         "--max-frame-bytes",

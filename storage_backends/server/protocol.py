@@ -19,11 +19,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from storage_backends.server import admin_protocol as A
+from storage_backends.server.admin_protocol import (  # noqa: F401 - re-exported
+    AdminClearReply,
+    AdminClearRequest,
+    AdminLookupReply,
+    AdminLookupRequest,
+    AdminStatsReply,
+    AdminStatsRequest,
+    BindNamespaceReply,
+    BindNamespaceRequest,
+    PinReply,
+    PinRequest,
+    ShmReleaseReply,
+    ShmReleaseRequest,
+    UnpinReply,
+    UnpinRequest,
+)
 from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorCode etc.
     Buffer,
     Codec,
     ErrorCode,
+    Message,
     ProtocolError,
+    Reply,
+    Request,
     frames_field,
     nbytes,
     peek_request_id,
@@ -37,31 +57,15 @@ from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorC
 # Version 4 adds writes into it (`shm_reserve`, `shm_commit`).
 # Version 5 adds the namespace-scoped clear (`clear_namespace`); `clear` (every page of every
 # namespace) stays, as the server admin's operation.
-PROTOCOL_VERSION = 5
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
+# Version 6 adds the admin API (`admin_lookup`, `pin`, `unpin`, `admin_clear`, `admin_stats`,
+# with the admin token) and read leases (`shm_release`), and `bind_namespace`
+# (`admin_protocol.py`).
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 # --------------------------------------------------------------------------------------------
 # Messages
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Message:
-    TYPE: ClassVar[str] = ""
-    request_id: int = 0
-
-    def check(self) -> None:
-        """Cross-field checks after the per-field type checks (raise `ProtocolError`)."""
-
-
-@dataclass
-class Request(Message):
-    token: str = ""
-
-
-@dataclass
-class Reply(Message):
-    pass
 
 
 @dataclass
@@ -387,6 +391,7 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     ShmReserveRequest,
     ShmCommitRequest,
     ClearNamespaceRequest,
+    *A.REQUESTS,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -405,6 +410,7 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     ShmReserveReply,
     ShmCommitReply,
     ClearNamespaceReply,
+    *A.REPLIES,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -421,7 +427,9 @@ _SINCE: dict[str, int] = {
 } | {c.TYPE: 3 for c in (MapStoreRequest, MapStoreReply, ShmLocateRequest, ShmLocateReply)} | {
     c.TYPE: 4
     for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
-} | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)}
+} | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)} | {
+    c.TYPE: A.VERSION for c in (*A.REQUESTS, *A.REPLIES)}
+ADMIN_TYPES = A.ADMIN_TYPES
 
 CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,
                wire_names={"request_id": "id", "token": "auth"})

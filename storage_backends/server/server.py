@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from storage_backends.server import admin_ops
 from storage_backends.server import protocol as P
 from storage_backends.server.arena import Arena, supported
 from storage_backends.server.budget import ReplyBudget, cap_reply
@@ -60,6 +61,7 @@ class HiCacheServer:
         self.budget = ReplyBudget(config.reply_budget_bytes, config.client_reply_budget_bytes)
         self.shm = ShmAttachments(config.shm_max_bytes)
         self._token = config.auth_token.encode() if config.auth_token else None
+        self._admin_token = config.admin_token.encode() if config.admin_token else None
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -92,7 +94,7 @@ class HiCacheServer:
             self.tiers.metrics = self.metrics
         logger.info(
             "hicache-server %s listening on tcp://%s:%d (capacity %d bytes, auth %s, "
-            "persistence %s, max frame %d bytes, shared memory %s%s)",
+            "persistence %s, max frame %d bytes, shared memory %s, admin API %s%s)",
             SERVER_VERSION,
             config.host,
             self.port,
@@ -101,6 +103,7 @@ class HiCacheServer:
             config.persist_dir or "off",
             config.max_frame_bytes,
             f"up to {config.shm_max_bytes} bytes" if self.shm.enabled else "off",
+            "on" if self._admin_token else "off",
             f", metrics on 127.0.0.1:{config.metrics_port}" if self.metrics else "",
         )
 
@@ -304,6 +307,16 @@ class HiCacheServer:
                 )
 
     def _check_auth(self, req: P.Request) -> None:
+        if req.TYPE in P.ADMIN_TYPES:
+            if self._admin_token is None:
+                self.counters["unauthorized"] += 1
+                raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "the admin API is off: start "
+                                      "hicache-server with --admin-token", req.request_id)
+            if not hmac.compare_digest(req.token.encode(), self._admin_token):
+                self.counters["unauthorized"] += 1
+                raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "missing or wrong admin token",
+                                      req.request_id)
+            return
         if self._token is None:
             return
         if not hmac.compare_digest(req.token.encode(), self._token):
@@ -329,7 +342,7 @@ class HiCacheServer:
         rid = req.request_id
         keys: list[str] = getattr(req, "keys", [])
         if isinstance(req, P.GetRequest):
-            return self._get(rid, keys)
+            return self._get(rid, keys, ident)
         if isinstance(req, P.SetRequest):
             self._page_bytes("tcp_page_bytes_in", sum(len(f) for f in req.frames))
             return self._set(rid, keys, req.frames)
@@ -347,7 +360,7 @@ class HiCacheServer:
                                     expires_ms=ttl_ms)
         if isinstance(req, P.ShmLocateRequest):
             arena = self._arena(rid, req.arena_id)
-            offsets, lengths, gens = self.tiers.locate(keys)
+            offsets, lengths, gens = self.tiers.locate(keys, ident)
             self._page_bytes("store_page_bytes_out",
                              sum(n for n, o in zip(lengths, offsets) if o >= 0))
             return P.ShmLocateReply(request_id=rid, arena_id=arena.id,
@@ -358,7 +371,7 @@ class HiCacheServer:
                                    arena_id=arena.id)
         if isinstance(req, P.ShmGetRequest):
             region = self.shm.region(ident, rid)
-            lengths = copy_out(region, req, self.tiers.lookup(keys), self.tiers.view)
+            lengths = copy_out(region, req, self.tiers.lookup(keys, ident), self.tiers.view)
             self._page_bytes("shm_page_bytes_out", sum(
                 n for n, c in zip(lengths, req.capacities) if 0 <= n <= c
             ))
@@ -374,6 +387,7 @@ class HiCacheServer:
         if isinstance(req, P.DetachShmRequest):
             self.shm.detach(ident)
             self.tiers.reservations.drop(ident)
+            self.tiers.store.release(ident)
             return P.DetachShmReply(request_id=rid)
         if isinstance(req, P.ExistsRequest):
             return P.ExistsReply(request_id=rid, count=self.tiers.exists(keys))
@@ -396,7 +410,10 @@ class HiCacheServer:
                 protocol_version=P.PROTOCOL_VERSION,
                 max_frame_bytes=self.config.max_frame_bytes,
             )
-        raise P.ProtocolError(P.ErrorCode.UNKNOWN_TYPE, f"no handler for {req.TYPE}", rid)
+        reply = admin_ops.execute(self, req, ident)
+        if reply is None:
+            raise P.ProtocolError(P.ErrorCode.UNKNOWN_TYPE, f"no handler for {req.TYPE}", rid)
+        return reply
 
     def _arena(self, rid: int, arena_id: int | None = None) -> Arena:
         """The store's arena (that the client has mapped, when it names one)."""
@@ -412,8 +429,8 @@ class HiCacheServer:
         """Bytes of the reply `_get(keys)` would send (no side effects)."""
         return cap_reply(self.tiers.sizes(keys), self.budget.per_client_bytes)[1]
 
-    def _get(self, rid: int, keys: list[str]) -> P.GetReply:
-        values = self.tiers.lookup(keys)
+    def _get(self, rid: int, keys: list[str], ident: bytes = b"") -> P.GetReply:
+        values = self.tiers.lookup(keys, ident)
         # One reply carries at most --client-reply-budget bytes: the pages past it are answered
         # as absent (misses), so that one reply always fits the budget.
         lengths, _ = cap_reply([-1 if v is None else nbytes(v) for v in values],

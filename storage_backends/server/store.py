@@ -21,6 +21,7 @@ from typing import Any, Union
 
 from hicache.codec import RECORD_MAGIC
 from hicache.lru import LRUByteStore
+from storage_backends.server.admin import Pins, ReadLeases
 from storage_backends.server.arena import Arena, ArenaSlot
 
 # bytes, or any object with the buffer protocol and a byte length (a received zmq.Frame), or an
@@ -40,6 +41,13 @@ def nbytes(value: Value) -> int:
 # then the 32-byte namespace seed), read by the namespace-scoped clear.
 _NS_AT = struct.calcsize("<4sHH")
 _NS_END = _NS_AT + 32
+
+
+def namespace_of(head: memoryview | bytes) -> str | None:
+    """The namespace (64 hex) a page record names, or None for bytes that are not a record."""
+    if len(head) < _NS_END or bytes(head[:4]) != RECORD_MAGIC:
+        return None
+    return bytes(head[_NS_AT:_NS_END]).hex()
 
 
 def in_namespace(head: memoryview | bytes, namespace: bytes) -> bool:
@@ -65,7 +73,9 @@ class PageStore:
     `get` refreshes a page's recency, `exists` does not (a prefix probe is not a use).
     `set` of an existing key replaces it and makes it most recent. Eviction drops whole pages,
     least recently used first, until the new page fits. With an `arena`, every value dropped
-    (evicted, replaced, deleted, cleared) that lives there gives its blocks back.
+    (evicted, replaced, deleted, cleared) that lives there gives its blocks back, once no read
+    lease holds it (`leases`). Pinned pages (`pins`, set by the server) and leased ones are
+    never evicted: a page that only their eviction would make room for is refused.
     """
 
     def __init__(self, capacity_bytes: int, arena: Arena | None = None) -> None:
@@ -76,6 +86,12 @@ class PageStore:
         self._lru: LRUByteStore[Value] = LRUByteStore(capacity_bytes, size=nbytes)
         self._lock = threading.Lock()
         self.counters = StoreCounters()
+        self.pins: Pins | None = None
+        self.leases = ReadLeases(arena.free if arena is not None else _no_free)
+
+    def _keep(self, key: str, value: Value) -> bool:
+        return (self.pins is not None and self.pins.holds(key)) or (
+            isinstance(value, ArenaSlot) and self.leases.holds(value))
 
     @property
     def pages(self) -> int:
@@ -97,7 +113,8 @@ class PageStore:
 
     def _drop(self, values: Sequence[Value]) -> None:
         for v in values:
-            if isinstance(v, ArenaSlot) and self.arena is not None:
+            if isinstance(v, ArenaSlot) and self.arena is not None \
+                    and not self.leases.defer(v):
                 self.arena.free(v)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -129,7 +146,14 @@ class PageStore:
                 self._drop([value])
                 return False, []
             old = self._lru.pop(key)
-            dropped = self._lru.make_room(size) or []
+            keep = self._keep if self.pins or self.leases.counters["read_leases"] else None
+            dropped = self._lru.make_room(size, keep)
+            if dropped is None:  # only pinned or leased pages could make room: refused
+                if old is not None:
+                    self._lru.put(key, old)  # as before (it fitted then)
+                self.counters.rejected += 1
+                self._drop([value])
+                return False, []
             self._drop([v for _, v in dropped] + ([old] if old is not None else []))
             if to_arena:
                 src = self.view(value)
@@ -184,10 +208,45 @@ class PageStore:
             self._drop([v for v in dropped if v is not None])
             return len(keys)
 
+    def lease(self, ident: builtins.bytes, values: Sequence[Value | None]) -> None:
+        """Lease the arena records among `values` to connection `ident` for reading."""
+        with self._lock:
+            for v in values:
+                if isinstance(v, ArenaSlot) and v.gen:
+                    self.leases.grant(ident, v)
+
+    def release(self, ident: builtins.bytes, offsets: Sequence[int] | None = None) -> int:
+        """End `ident`'s leases at `offsets` (None: all of them); then expire the overdue."""
+        with self._lock:
+            if offsets is None:
+                n = self.leases.drop_conn(ident)
+            else:
+                n = self.leases.release(ident, offsets)
+            self.leases.expire()
+            return n
+
+    def expire_leases(self) -> int:
+        with self._lock:
+            return self.leases.expire()
+
+    def held(self) -> list[tuple[str, str, int]]:
+        """(key, namespace, bytes) of every page in memory (namespace "-": not a record)."""
+        with self._lock:
+            out = []
+            for k in self._lru:
+                v = self._lru.get(k, touch=False)
+                assert v is not None
+                out.append((k, namespace_of(self.view(v)[:_NS_END]) or "-", nbytes(v)))
+            return out
+
     def lru_order(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""
         with self._lock:
             return list(self._lru)
+
+
+def _no_free(slot: ArenaSlot) -> None:
+    raise AssertionError("no arena")
 
 
 class WriteBehind:

@@ -10,7 +10,10 @@ that tie the tiers together live in one place:
   write-behind queue then holds no arena slot), and a record located by an shm client is moved
   into it, so every later read of it is one copy, made by the client;
 - records that clients write into reserved arena slots (`reserve`, `commit`) are stored as
-  those slots; with persistence, the write-behind queue gets a heap copy.
+  those slots; with persistence, the write-behind queue gets a heap copy;
+- records located for reads in place are leased to their reader (`storage_backends.server.
+  admin`); pinned pages stay in memory (read back from disk at start-up) and leave the pin
+  list when they are deleted or cleared.
 """
 
 from __future__ import annotations
@@ -20,9 +23,19 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+__all__ = ["PinLimit", "Tiers"]
+
+from storage_backends.server.admin import NamespaceCounters, PinLimit, Pins
 from storage_backends.server.arena import BLOCK, Arena, ArenaSlot
 from storage_backends.server.reservations import Reservations
-from storage_backends.server.store import PageStore, Value, WriteBehind, nbytes
+from storage_backends.server.store import (
+    _NS_END,
+    PageStore,
+    Value,
+    WriteBehind,
+    namespace_of,
+    nbytes,
+)
 
 if TYPE_CHECKING:
     from storage_backends.server.cli import ServerConfig
@@ -42,6 +55,10 @@ class Tiers:
         )
         self.persist: WriteBehind | None = None
         self.metrics: Metrics | None = None  # set by the server once its metrics exist
+        self.store.leases.ttl_s = config.read_lease_ms / 1000
+        limit = int(config.pin_share * config.capacity_bytes) if config.capacity_bytes else 1 << 62
+        self.pins = self.store.pins = Pins(limit, config.persist_dir)
+        self.namespaces = NamespaceCounters()
         if config.persist_dir:
             self.persist = WriteBehind(
                 config.persist_dir,
@@ -53,6 +70,20 @@ class Tiers:
                 config.persist_dir,
                 self.persist.loaded_pages,
             )
+        if len(self.pins):
+            self._load_pinned()
+
+    def _load_pinned(self) -> None:
+        """Read the pinned pages back into memory (a restart); pins of pages gone are dropped."""
+        keys = self.pins.keys()
+        held = self.store.exists(keys)
+        missing = [k for k, h in zip(keys, held) if not h]
+        values = self.persist.get(missing) if self.persist is not None else [None] * len(missing)
+        for k, v in zip(missing, values):
+            if v is None or not self._put_memory(k, v, persist=False):
+                self.pins.unpin([k])
+        logger.info("%d pinned pages held (%d read back from disk)", len(self.pins),
+                    sum(v is not None for v in values))
 
     def exists(self, keys: list[str]) -> int:
         """The length of the leading run of `keys` present in either tier."""
@@ -71,8 +102,9 @@ class Tiers:
             sizes = [n if n is not None else self.persist.size_of(k) for k, n in zip(keys, sizes)]
         return [-1 if n is None else n for n in sizes]
 
-    def lookup(self, keys: list[str]) -> list[Value | None]:
-        """The pages of `keys` (None: absent), memory first, then persistence (promoted)."""
+    def lookup(self, keys: list[str], ident: bytes | None = None) -> list[Value | None]:
+        """The pages of `keys` (None: absent), memory first, then persistence (promoted).
+        Counted as hits and misses, by namespace too (of connection `ident`)."""
         values = self.store.get(keys)
         hits = sum(v is not None for v in values)
         if hits < len(keys) and self.persist is not None:
@@ -86,6 +118,10 @@ class Tiers:
         if self.metrics is not None:
             self.metrics.hits.inc(hits)
             self.metrics.misses.inc(len(keys) - hits)
+        if ident is not None:
+            view = self.store.view
+            self.namespaces.count(ident, (namespace_of(view(v)[:_NS_END]) or "-"
+                                          for v in values if v is not None), len(keys) - hits)
         return values
 
     def view(self, value: Value) -> memoryview:
@@ -96,13 +132,17 @@ class Tiers:
         the slot is freed must not change): an arena record is copied out."""
         return self.view(value).tobytes() if isinstance(value, ArenaSlot) else value
 
-    def locate(self, keys: list[str]) -> tuple[list[int], list[int], list[int]]:
+    def locate(self, keys: list[str], ident: bytes = b"") -> tuple[list[int], list[int],
+                                                                    list[int]]:
         """Offsets, lengths (-1: absent) and generations of `keys` in the arena (offset -1: not
-        in it, e.g. no room). Records found in the heap are moved into the arena first."""
+        in it, e.g. no room). Records found in the heap are moved into the arena first. Each
+        record in the arena is leased to `ident` until it releases it or the lease expires."""
         offsets: list[int] = []
         lengths: list[int] = []
         gens: list[int] = []
-        for key, v in zip(keys, self.lookup(keys)):
+        slots: list[Value] = []
+        self.store.expire_leases()
+        for key, v in zip(keys, self.lookup(keys, ident)):
             if v is None:
                 offsets.append(-1)
                 lengths.append(-1)
@@ -113,9 +153,11 @@ class Tiers:
             if isinstance(v, ArenaSlot):
                 offsets.append(v.offset)
                 gens.append(v.gen)
+                slots.append(v)
             else:
                 offsets.append(-1)
                 gens.append(0)
+        self.store.lease(ident, slots)
         return offsets, lengths, gens
 
     def _put_memory(
@@ -144,6 +186,7 @@ class Tiers:
         """Store `records[i]` under `keys[i]`; per key whether it was stored. `transient`: the
         records are views of a client's region, copied here (into the arena when there is one
         and no persistence; else into the heap)."""
+        self.store.expire_leases()
         if transient and (self.arena is None or self.persist is not None):
             records = [memoryview(r).tobytes() for r in records]
             transient = False
@@ -171,6 +214,7 @@ class Tiers:
         """Store the records `ident` wrote into its reservations: per key whether stored, and
         the bytes stored."""
         self.reservations.expire()
+        self.store.expire_leases()
         found = [(i, s) for i, s in enumerate(self.reservations.take(ident, off)
                                                for off in offsets) if s is not None]
         names = [keys[i] for i, _ in found]
@@ -185,25 +229,77 @@ class Tiers:
         return out, sum(slot.length for i, slot in found if out[i])
 
     def delete(self, keys: list[str]) -> int:
+        self.store.expire_leases()
+        self.pins.unpin(keys)
         n = self.store.delete(keys)
         if self.persist is not None:
             n = max(n, self.persist.delete(keys))
         return n
 
     def clear(self) -> None:
+        self.pins.clear()
+        self.namespaces.forget()
         self.store.clear()
         if self.persist is not None:
             self.persist.clear()
 
     def clear_namespace(self, namespace: bytes) -> int:
         """Drop every page whose record names `namespace`, in both tiers; how many (the larger
-        of the two tiers' counts, as `delete`)."""
+        of the two tiers' counts, as `delete`); its pins and counters go too."""
+        ns = namespace.hex()
+        if len(self.pins):
+            self.pins.unpin([k for k, n, _ in self.store.held() if n == ns])
+        self.namespaces.forget(ns)
         n = self.store.clear_namespace(namespace)
         if self.persist is not None:
             n = max(n, self.persist.clear_namespace(namespace))
         return n
 
+    # -- the admin's -----------------------------------------------------------------------
+
+    def admin_lookup(self, keys: list[str]) -> tuple[int, int, int]:
+        """The leading run of `keys` held (either tier), the leading run in memory, and how
+        many of the held run are pinned. No side effects (recency, counters)."""
+        count = self.exists(keys)
+        in_memory = 0
+        for flag in self.store.exists(keys):
+            if not flag:
+                break
+            in_memory += 1
+        return count, in_memory, sum(self.pins.holds(k) for k in keys[:count])
+
+    def pinned_bytes(self, keys: Any = None) -> int:
+        keys = list(self.pins.keys() if keys is None else keys)
+        return sum(n for n in self.store.sizes(keys) if n is not None)
+
+    def pin(self, keys: list[str], ttl_ms: int) -> tuple[int, int]:
+        """Pin the pages of `keys` held (read into memory from disk first); (pinned, absent).
+        Raises `PinLimit`."""
+        self.pins.expire()
+        sizes = self.sizes(keys)
+        on_disk = [k for k, n in zip(keys, sizes) if n >= 0 and k not in self.store]
+        if on_disk and self.persist is not None:  # a pin keeps a page in memory: read it in
+            for k, v in zip(on_disk, self.persist.get(on_disk)):
+                if v is not None:
+                    self._put_memory(k, v, persist=False)
+        sizes = [-1 if n is None else n for n in self.store.sizes(keys)]
+        pinned = self.pins.pin(keys, sizes, ttl_ms / 1000, self.pinned_bytes)
+        return pinned, len(keys) - pinned
+
+    def admin_clear(self, namespace: bytes | None) -> tuple[int, int]:
+        """Clear one namespace, or (None) the whole server; (pages deleted, pins dropped)."""
+        pins = len(self.pins)
+        if namespace is not None:
+            n = self.clear_namespace(namespace)
+            return n, pins - len(self.pins)
+        n = max(self.store.pages, self.persist.backend.stats().stored_pages
+                if self.persist is not None else 0)
+        self.clear()
+        return n, pins
+
     def stats(self) -> dict[str, int]:
+        self.store.expire_leases()
+        self.pins.expire()
         c = self.store.counters
         out = {
             "pages": self.store.pages,
@@ -213,6 +309,12 @@ class Tiers:
             "misses": c.misses,
             "evictions": c.evictions,
             "rejected": c.rejected,
+            "pinned_pages": len(self.pins),
+            "pinned_bytes": self.pinned_bytes(),
+            "pin_limit_bytes": self.pins.limit_bytes,
+            "pins_expired": self.pins.expired,
+            "read_lease_held_slots": self.store.leases.deferred,
+            **self.store.leases.counters,
         }
         if self.arena is not None:
             out.update(self.arena.counters)

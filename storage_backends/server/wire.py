@@ -17,7 +17,7 @@ import dataclasses
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgpack
 
@@ -38,6 +38,7 @@ class ErrorCode:
     INTERNAL = "internal"  # the server failed to execute a well-formed request
     BUSY = "busy"  # too many reply bytes held for this connection (or all): read the replies
     NO_SHM = "no_shm"  # shared memory the request needs is not there (see docs): map or attach
+    PIN_LIMIT = "pin_limit"  # a pin past the pinned-bytes limit (--pin-share): nothing pinned
 
 
 class ProtocolError(StorageError):
@@ -48,6 +49,25 @@ class ProtocolError(StorageError):
         self.code = code
         self.message = message
         self.request_id = request_id
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+    request_id: int = 0
+
+    def check(self) -> None:
+        """Cross-field checks after the per-field type checks (raise `ProtocolError`)."""
+
+
+@dataclass
+class Request(Message):
+    token: str = ""
+
+
+@dataclass
+class Reply(Message):
+    pass
 
 
 def frames_field() -> Any:

@@ -9,6 +9,7 @@ region and TCP paths, repeated keys, a dead server, and exact counters throughou
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -393,15 +394,18 @@ def test_a_copy_that_raced_a_free_is_read_the_other_way(
         b.close()
 
 
+@pytest.mark.parametrize("lease_ms", ["1", "10000"], ids=["lease-expired", "leased"])
 def test_a_record_gone_after_a_torn_copy_is_a_miss(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease_ms: str
 ) -> None:
     """The one case in which a False leaves bytes in the parts besides a bad checksum: a copy
     found torn after it was made, whose record is then gone. Those bytes are unchecked; the
-    caller was told False."""
+    caller was told False. That needs the read's lease to have expired (1 ms) before the
+    delete: under its lease (10 s) the deleted record's blocks are kept until the read ends,
+    so the copy is whole and checked."""
     keys, recs = _pages("gone", 1)
     sizes = SHAPES["head+4"]
-    with hicache_server(tmp_path) as srv:
+    with hicache_server(tmp_path, args=["--read-lease-ms", lease_ms]) as srv:
         b = srv.client()
         raw = RawClient(srv.url)
         assert b.batch_set(keys, [memoryview(recs[0])]) == [True]
@@ -411,12 +415,22 @@ def test_a_record_gone_after_a_torn_copy_is_a_miss(
         def torn_then_deleted(self: StoreMap, offset: int, gen: int) -> bool:
             calls["n"] += 1
             if calls["n"] == 2:  # after the payload copy: the record is freed now
+                if lease_ms == "1":
+                    time.sleep(0.02)  # the read's 1 ms lease is over: the delete frees it
                 raw.call(P.DeleteRequest(keys=keys))
             return real(self, offset, gen)
 
         try:
             monkeypatch.setattr(StoreMap, "current", torn_then_deleted)
             parts = [_parts(sizes)]
+            if lease_ms == "10000":
+                assert b.batch_get_parts(keys, parts) == [True]
+                assert _joined(parts[0]) == recs[0]
+                assert (b.stats().get_hits, b.arena.fallbacks) == (1, 0)
+                st = b.server_stats()  # the read's release freed the deleted record's blocks
+                assert (st["pages"], st["read_leases"], st["read_lease_held_slots"]) == (0, 0, 0)
+                assert st["arena_slots"] == st["reserved_slots"]
+                return
             assert b.batch_get_parts(keys, parts) == [False]
             assert _joined(parts[0]) == recs[0]  # what was copied before the free
             s = b.stats()

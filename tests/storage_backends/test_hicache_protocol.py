@@ -47,6 +47,21 @@ SAMPLES: list[P.Message] = [
     P.ShmReserveReply(request_id=15, offsets=[8192, -1], gens=[5, 0], expires_ms=30000),
     P.ShmCommitRequest(request_id=16, arena_id=7, keys=["a"], offsets=[8192], reserve=[4096]),
     P.ShmCommitReply(request_id=16, stored=[True], offsets=[16384], gens=[9], expires_ms=30000),
+    P.BindNamespaceRequest(request_id=17, token="tok", namespace="cd" * 32),
+    P.BindNamespaceReply(request_id=17),
+    P.ShmReleaseRequest(request_id=18, arena_id=7, offsets=[4096, 8192]),
+    P.ShmReleaseReply(request_id=18, released=2),
+    P.AdminLookupRequest(request_id=19, token="adm", keys=["a", "b"]),
+    P.AdminLookupReply(request_id=19, count=2, in_memory=1, pinned=1),
+    P.PinRequest(request_id=20, token="adm", keys=["a"], ttl_ms=5000),
+    P.PinReply(request_id=20, pinned=1, absent=0, pinned_bytes=4096, limit_bytes=1 << 20),
+    P.UnpinRequest(request_id=21, token="adm", keys=["a"]),
+    P.UnpinReply(request_id=21, unpinned=1),
+    P.AdminClearRequest(request_id=22, token="adm", namespace="ef" * 32, all=False),
+    P.AdminClearReply(request_id=22, deleted=4, unpinned=1),
+    P.AdminStatsRequest(request_id=23, token="adm"),
+    P.AdminStatsReply(request_id=23, namespaces={"ef" * 32: {"pages": 1, "hits": 2}},
+                      totals={"pages": 1}),
 ]
 
 
@@ -93,8 +108,8 @@ def test_header_carries_the_version_and_wire_names() -> None:
 def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     """Version-1 types stay version 1 on the wire (a version-1 peer reads them); the
     shared-memory region types say 2, the shared-memory store types 3, writes into it 4, the
-    namespace clear 5."""
-    assert P.PROTOCOL_VERSION == 5
+    namespace clear 5, the admin API and read leases 6."""
+    assert P.PROTOCOL_VERSION == 6
     v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
           "shm_get_ok"}
     v3 = {"map_store", "map_store_ok", "shm_locate", "shm_locate_ok"}
@@ -102,7 +117,9 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     v5 = {"clear_namespace", "clear_namespace_ok"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
-        want = (5 if msg.TYPE in v5 else 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3
+        want = (6 if msg.TYPE.startswith(("admin_", "pin_ok", "unpin", "bind_", "shm_release"))
+                or msg.TYPE == "pin"
+                else 5 if msg.TYPE in v5 else 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3
                 else 2 if msg.TYPE in v2 else 1)
         assert header["v"] == want, msg.TYPE
     # A namespace clear that names no valid namespace is refused before it runs.
@@ -110,6 +127,12 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
         P.decode([msgpack.packb({"v": 5, "t": "clear_namespace", "id": 1, "auth": "",
                                  "namespace": "AB" * 32})], expect="request")
     assert e.value.code == P.ErrorCode.MALFORMED
+    # An admin clear names a namespace or all, never both or neither.
+    for ns, everything in (("ef" * 32, True), ("", False)):
+        with pytest.raises(P.ProtocolError) as e:
+            P.decode(P.encode(P.AdminClearRequest(namespace=ns, all=everything)),
+                     expect="request")
+        assert e.value.code == P.ErrorCode.MALFORMED
     # A store type in a version-2 header is refused (a version-2 peer never sends one).
     with pytest.raises(P.ProtocolError) as e:
         P.decode([msgpack.packb({"v": 2, "t": "map_store", "id": 1, "auth": ""})],

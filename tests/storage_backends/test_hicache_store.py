@@ -236,6 +236,9 @@ def test_eviction_changes_the_generation_a_reader_checks(tmp_path: Path) -> None
             dst = memoryview(bytearray(len(recs[0])))
             assert store.read(loc.offsets[0], loc.lengths[0], loc.gens[0], dst)
             assert bytes(dst) == bytes(recs[0])
+            # The read is over: its leases end (leased, the records would not be evicted).
+            rel = raw.call(P.ShmReleaseRequest(arena_id=m.arena_id, offsets=loc.offsets))
+            assert isinstance(rel, P.ShmReleaseReply) and rel.released == 3
             # Three more records evict the first three; their blocks are reused.
             assert b.batch_set(keys[3:], [memoryview(r) for r in recs[3:]]) == [True] * 3
             for off, n, gen in zip(loc.offsets, loc.lengths, loc.gens):

@@ -1,0 +1,61 @@
+"""The server's handlers of protocol version 6 (`admin_protocol`): the admin API, read-lease
+releases and `bind_namespace`. The admin's operations are logged at INFO."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from storage_backends.server import protocol as P
+from storage_backends.server.admin import PinLimit, namespace_rows
+
+if TYPE_CHECKING:
+    from storage_backends.server.server import HiCacheServer
+
+logger = logging.getLogger(__name__)
+
+
+def execute(server: HiCacheServer, req: P.Request, ident: bytes) -> P.Reply | None:
+    """The reply to a version-6 request, or None when `req` is of an older type."""
+    rid = req.request_id
+    tiers = server.tiers
+    if isinstance(req, P.ShmReleaseRequest):
+        server._arena(rid, req.arena_id)
+        return P.ShmReleaseReply(request_id=rid,
+                                 released=tiers.store.release(ident, req.offsets))
+    if isinstance(req, P.BindNamespaceRequest):
+        tiers.namespaces.bound[ident] = req.namespace
+        return P.BindNamespaceReply(request_id=rid)
+    if isinstance(req, P.AdminLookupRequest):
+        count, in_memory, pinned = tiers.admin_lookup(req.keys)
+        return P.AdminLookupReply(request_id=rid, count=count, in_memory=in_memory,
+                                  pinned=pinned)
+    if isinstance(req, P.PinRequest):
+        if req.ttl_ms < 0:
+            raise P.ProtocolError(P.ErrorCode.MALFORMED, "ttl_ms must be >= 0", rid)
+        try:
+            pinned, absent = tiers.pin(req.keys, req.ttl_ms)
+        except PinLimit as e:
+            raise P.ProtocolError(P.ErrorCode.PIN_LIMIT, str(e), rid) from None
+        logger.info("admin: pinned %d pages (%d absent)%s", pinned, absent,
+                    f" for {req.ttl_ms} ms" if req.ttl_ms else "")
+        return P.PinReply(request_id=rid, pinned=pinned, absent=absent,
+                          pinned_bytes=tiers.pinned_bytes(), limit_bytes=tiers.pins.limit_bytes)
+    if isinstance(req, P.UnpinRequest):
+        n = tiers.pins.unpin(req.keys)
+        logger.info("admin: unpinned %d pages", n)
+        return P.UnpinReply(request_id=rid, unpinned=n)
+    if isinstance(req, P.AdminClearRequest):
+        ns = bytes.fromhex(req.namespace) if req.namespace else None
+        deleted, unpinned = tiers.admin_clear(ns)
+        if ns is None:
+            logger.warning("admin: cleared the whole server (%d pages, %d pins)", deleted,
+                           unpinned)
+        else:
+            logger.info("admin: cleared namespace %s (%d pages, %d pins)", req.namespace,
+                        deleted, unpinned)
+        return P.AdminClearReply(request_id=rid, deleted=deleted, unpinned=unpinned)
+    if isinstance(req, P.AdminStatsRequest):
+        rows = namespace_rows(tiers.store.held(), tiers.pins, tiers.namespaces)
+        return P.AdminStatsReply(request_id=rid, namespaces=rows, totals=server.stats())
+    return None
