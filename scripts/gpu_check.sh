@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# GPU check (issue 12, item 8): the `gpu`-marked tests, bench_transfer and bench_ttft_tiers at the
-# GPU size (and benchmarks/bench_engine.py when present), in under 8 minutes on one GPU, from a
-# fresh copy of the repository with only torch, transformers, safetensors, tokenizers, numpy,
-# msgpack and triton installed. JSON results and logs go to $OUT (default
-# benchmarks/results/gpu_check).
+# GPU check (issues 12, 29, 30): on one GPU, within 8 minutes (GPU_CHECK_BUDGET_S, default 480),
+# from a fresh copy of the repository with only torch, transformers, safetensors, tokenizers,
+# numpy, msgpack, triton and pytest installed (plus .gpu-wheels/ when carried:
+# scripts/gpu_wheels.sh):
+#   tests:  every module with a `gpu`-marked test, in one process; then every other test with
+#           CUDA present, in parallel (pytest-xdist), summarised in $OUT/suites_summary.txt;
+#   bench:  bench_transfer, bench_ttft_tiers and bench_engine at Llama-3.1-8B shape (dummy
+#           weights, bf16, 8k and 32k prompts) and at the earlier runs' size.
+# JSON results and logs go to $OUT (default benchmarks/results/gpu_check).
 #
-#   scripts/gpu_check.sh                               # on a CUDA machine
+#   scripts/gpu_check.sh                               # everything, on a CUDA machine
+#   scripts/gpu_check.sh --part tests                  # the tests only (about 5 minutes)
+#   scripts/gpu_check.sh --part bench --no-install     # the benchmarks only, a second call
 #   scripts/gpu_check.sh --device cpu --quick --no-install   # dry run of the script on CPU
 #
 # Without pytest installed (or with GPU_CHECK_STANDIN=1), the gpu tests run through a minimal
@@ -18,11 +24,13 @@ ROOT=$PWD
 DEVICE=cuda
 QUICK=0
 INSTALL=1
+PART=all  # all | tests (gpu tests + suites) | bench (the benchmarks)
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --no-install) INSTALL=0; shift ;;
+    --part) PART=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -68,6 +76,7 @@ if [ "$INSTALL" = 1 ]; then
   fi
 fi
 
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
 # -- the gpu tests ---------------------------------------------------------------------------
 # Every test file with a `gpu`-marked test (they run here, one process, before the suites: the
 # slowed-stream ordering tests want the GPU to themselves).
@@ -76,11 +85,11 @@ if [ "${GPU_CHECK_STANDIN:-0}" != 1 ] && "$PY" -c "import pytest" 2>/dev/null; t
   # shellcheck disable=SC2086
   # -v: each test's name as it ends (a step cut at its limit shows where); -rfE: the failures
   # again at the end, within the log tail printed here; the ten slowest, to size the next run.
-  step gpu_tests 150 "$PY" -m pytest -m gpu -v -rfE --durations=10 -p no:cacheprovider \
+  step gpu_tests 120 "$PY" -m pytest -m gpu -v -rfE --durations=10 -p no:cacheprovider \
     -o addopts="" $GPU_TESTS
 else
   # shellcheck disable=SC2086
-  step gpu_tests 150 "$PY" - $GPU_TESTS <<'PYEOF'
+  step gpu_tests 120 "$PY" - $GPU_TESTS <<'PYEOF'
 """Run the tests of the given files marked $GPU_CHECK_MARK (default `gpu`) without pytest: a
 minimal stand-in for what those tests use (marks, parametrize and pytest.param, skip/skipif,
 importorskip, raises, approx, fail; fixtures of the test module and of every conftest.py above
@@ -529,7 +538,7 @@ if "$PY" -c "import pytest, xdist, pytest_timeout" 2>/dev/null; then
   # shellcheck disable=SC2086
   GPU_REPORT="$OUT/suites.tsv" HICACHE_GPU_SHARE=${HICACHE_GPU_SHARE:-$(awk "BEGIN{print 0.9/$WORKERS}")} \
     PYTHONPATH="$ROOT/scripts/gpu_share:$ROOT/scripts:$PYTHONPATH" \
-    step suites "${GPU_CHECK_SUITES_S:-240}" "$PY" -m pytest -p gpu_report -p no:cacheprovider \
+    step suites "${GPU_CHECK_SUITES_S:-200}" "$PY" -m pytest -p gpu_report -p no:cacheprovider \
     -n "$WORKERS" --timeout 240 -q -o addopts="--strict-markers" -rN -m "not gpu" $SUITES
   "$PY" scripts/gpu_report.py "$OUT/suites.tsv" | tee "$OUT/suites_summary.txt"
 else
@@ -537,6 +546,9 @@ else
   STATUS=1
 fi
 
+fi  # tests
+
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
 # -- benchmarks ------------------------------------------------------------------------------
 # Issue 30: a deployed model's shape, Llama-3.1-8B (the shipped config, engine/model_configs),
 # with random weights made on the device (--load-format dummy: no checkpoint, no network), bf16,
@@ -583,6 +595,7 @@ if [ -f benchmarks/bench_engine.py ]; then
   if [ "$QUICK" = 1 ]; then case "$HELP" in *--quick*) ARGS+=(--quick) ;; esac; fi
   step bench_engine 50 "$PY" benchmarks/bench_engine.py "${ARGS[@]}"
 fi
+fi  # bench
 echo "gpu_check: status $STATUS in $(( $(date +%s) - START ))s; results in $OUT"
 ls -l "$OUT"
 exit $STATUS

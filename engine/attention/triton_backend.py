@@ -39,6 +39,9 @@ class _DecodeMeta:
 @dataclass
 class _ExtendMeta:
     max_q_len: int
+    # Split-KV scratch (None: one program per request, head and query block walks all keys).
+    mid_o: torch.Tensor | None = None  # [T, H, splits, D] float32 partial outputs
+    mid_lse: torch.Tensor | None = None  # [T, H, splits] float32 their log-sum-exp
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -53,6 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         v_head_dim: int | None = None,
         num_splits: int | None = None,
+        extend_splits: int | None = None,
     ) -> None:
         super().__init__(pool, num_heads, head_dim, scale, v_head_dim)
         if not triton_available():
@@ -71,6 +75,8 @@ class TritonAttentionBackend(AttentionBackend):
         cuda = pool.device.type == "cuda"
         # Split-K of decode: enough programs to fill a GPU at small batch sizes.
         self.num_splits = num_splits or (8 if cuda else 2)
+        # Split-KV of an extend (None: `triton_kernels.extend_splits` decides per batch).
+        self.extend_splits = extend_splits
         # Extend tiles; small under the interpreter so the tests cross tile borders, and for
         # float32 heads over 64 on CUDA (64-row float32 K and V tiles of 128-wide heads, three
         # pipeline stages deep, come close to an SM's shared memory; unmeasured), and smaller
@@ -89,7 +95,15 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.empty((b, h, s), dtype=torch.float32, device=dev),
             )
         else:
-            batch.meta = _ExtendMeta(batch.max_q_len)
+            h, d, dev = self.num_heads, self.v_head_dim, self.pool.device
+            programs = batch.batch_size * h * -(-batch.max_q_len // self.block)
+            splits = self.extend_splits or self.k.extend_splits(programs, max(batch.kv_lens), dev)
+            meta = _ExtendMeta(batch.max_q_len)
+            if splits > 1:
+                t = batch.num_tokens
+                meta.mid_o = torch.empty((t, h, splits, d), dtype=torch.float32, device=dev)
+                meta.mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=dev)
+            batch.meta = meta
 
     def forward(
         self,
@@ -121,7 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.k.extend_attention(
                 q, kbuf, vbuf, batch.page_table, batch.q_starts, batch.q_lens_t, batch.kv_lens_t,
                 meta.max_q_len, pool.page_size, self.scale, out, self.block, self.block,
-                v_from_k=pool.mla,
+                v_from_k=pool.mla, mid_o=meta.mid_o, mid_lse=meta.mid_lse,
             )
         return out.reshape(q.shape[0], -1)
 

@@ -132,8 +132,11 @@ def _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
     """One online-softmax step: fold the masked scores `qk` and their V rows `v` into the
     running max `m_i`, denominator `l_i` and weighted sum `acc`; the new three."""
     m_new = tl.maximum(m_i, tl.reduce(qk, 1, _fmax))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
+    # A row that has seen no visible key yet (all -inf: a split of an extend's prefix past its
+    # causal limit) stays empty instead of turning NaN (-inf - -inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(qk - m_safe[:, None])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     l_i = l_i * alpha + tl.reduce(p, 1, _fadd)
     return m_new, l_i, acc
@@ -263,15 +266,18 @@ def decode_attention(
 
 @triton.jit
 def _extend_kernel(
-    Q, KBuf, VBuf, Out, PageTable, QStarts, QLens, KvLens, sm_scale,
+    Q, KBuf, VBuf, Out, PageTable, QStarts, QLens, KvLens, MidO, MidLse, sm_scale,
     stride_qt, stride_qh, stride_bt, stride_bh, stride_ot, stride_oh, stride_pt,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PE_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PE: tl.constexpr,
     HAS_PE: tl.constexpr, V_FROM_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mblk = tl.program_id(2)
+    mblk = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     kvh = h // GROUP
     q_len = tl.load(QLens + b)
     q_start = tl.load(QStarts + b)
@@ -290,16 +296,22 @@ def _extend_kernel(
     # Keys up to the block's last query (causal); none for a block past this request's tokens.
     end = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     end = tl.where(mblk * BLOCK_M < q_len, end, 0)
+    # Split-KV: this program takes one of NUM_SPLITS equal runs of those keys (whole key
+    # blocks); the runs' partial results are merged by `_decode_stage2`, one program a row.
+    split_len = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, end)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
-            PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
+            PageTable + b * stride_pt, n0, hi, kvh * stride_bh, stride_bt, offs_d, mask_d,
             PAGE, BLOCK_N)
         qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
                         PE_DIM, HAS_PE, DOT_PREC)
-        # Key 0 is visible to every row, so each row's max is finite after the first block.
+        # Key 0 is visible to every row: a row's first split always has a finite max; a later
+        # split past a row's causal limit leaves it empty (`_softmax_step`).
         ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
         qk = tl.where(ok, qk * sm_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
         if V_FROM_K:
@@ -307,9 +319,34 @@ def _extend_kernel(
         else:
             v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    mask_o = mask_m[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_o)
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        mo = MidO + rows[:, None] * stride_mo_t + h * stride_mo_h + split * stride_mo_s
+        tl.store(mo + offs_d[None, :], out, mask=mask_o)
+        tl.store(MidLse + rows * stride_ml_t + h * stride_ml_h + split, lse, mask=mask_m)
+
+
+# Split-KV of an extend: each split takes at least this many keys (fewer: one program walks
+# them as fast as a merge would cost).
+MIN_SPLIT_KEYS = 256
+MAX_EXTEND_SPLITS = 16
+
+
+def extend_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
+    """How many runs to split an extend's keys into: enough programs to fill the GPU twice
+    over when one program per (request, head, query block) would leave it idle (a short extend
+    over a long cached prefix), never a run under MIN_SPLIT_KEYS keys. 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-target // max(1, programs))
+    return max(1, min(want, max_kv_len // MIN_SPLIT_KEYS, MAX_EXTEND_SPLITS))
 
 
 def extend_attention(
@@ -327,16 +364,32 @@ def extend_attention(
     block_m: int = 32,
     block_n: int = 32,
     v_from_k: bool = False,
+    mid_o: torch.Tensor | None = None,  # [T, H, splits, Dv] float32: split-KV partial outputs
+    mid_lse: torch.Tensor | None = None,  # [T, H, splits] float32
 ) -> None:
+    """Causal attention of each request's new rows over its cached prefix and themselves.
+    With `mid_o`/`mid_lse` of `splits` > 1, each (request, head, query block) is split into
+    `splits` runs of keys on as many programs, merged after (split-KV)."""
     t, h, dk = q.shape
     dv = out.shape[2]
     b = q_lens.shape[0]
     hkv = kbuf.shape[1]
-    _extend_kernel[(b, h, triton.cdiv(max_q_len, block_m))](
-        q, kbuf, vbuf, out, page_table, q_starts, q_lens, kv_lens, scale,
+    splits = 1 if mid_lse is None else mid_lse.shape[2]
+    mo = mid_o if mid_o is not None and splits > 1 else out.new_empty((1, 1, 1, 1))
+    ml = mid_lse if mid_lse is not None and splits > 1 else out.new_empty((1, 1, 1))
+    _extend_kernel[(b, h, triton.cdiv(max_q_len, block_m) * splits)](
+        q, kbuf, vbuf, out, page_table, q_starts, q_lens, kv_lens, mo, ml, scale,
         q.stride(0), q.stride(1), kbuf.stride(0), kbuf.stride(1), out.stride(0), out.stride(1),
-        page_table.stride(0),
-        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_block_d(dv), V_FROM_K=v_from_k, DOT_PREC=_dot_precision(q.dtype),
-        **_pe(dk, dv),
+        page_table.stride(0), mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0),
+        ml.stride(1),
+        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=dv, NUM_SPLITS=splits, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=_block_d(dv), V_FROM_K=v_from_k,
+        DOT_PREC=_dot_precision(q.dtype), **_pe(dk, dv),
     )
+    if splits > 1:
+        _decode_stage2[(t, h)](
+            mo, ml, out,
+            mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, HEAD_DIM=dv, BLOCK_D=_block_d(dv),
+        )

@@ -66,7 +66,8 @@ SHAPES = {
 
 
 def check_against_torch(pools: tuple[DeviceKVPool, ...], heads: int, reqs: list[tuple[int, int]],
-                        seed: int, atol: float, first_page: int = 0) -> None:
+                        seed: int, atol: float, first_page: int = 0,
+                        extend_splits: int | None = None) -> None:
     """The triton backend's output and pool writes equal the torch backend's, every layer."""
     pt, pr = pools
     hd, kv_heads, dtype = pt.head_dim, pt.kv_heads, pt.dtype
@@ -74,6 +75,7 @@ def check_against_torch(pools: tuple[DeviceKVPool, ...], heads: int, reqs: list[
     ref = make_attention_backend("torch", pt, heads, hd, scale)
     tri = make_attention_backend("triton", pr, heads, hd, scale)
     assert tri.name == "triton"
+    tri.extend_splits = extend_splits  # type: ignore[attr-defined]
     kv_lens = [q + p for q, p in reqs]
     tables = _tables(pt, kv_lens, seed=seed, first_page=first_page)
     seqs = [([0] * q, p, t) for (q, p), t in zip(reqs, tables)]
@@ -101,6 +103,29 @@ def test_matches_torch_backend(page_size: int, heads: int, kv_heads: int, shape:
     reqs = SHAPES[shape]
     check_against_torch(_pools(page_size, kv_heads), heads, reqs, seed=len(reqs) + page_size,
                         atol=2e-5)
+
+
+@pytest.mark.parametrize(("shape", "splits"), [
+    ("extend_prefix", 3), ("extend_with_decode_rows", 2), ("extend_with_decode_rows", 5),
+    ("prefill_ragged", 4)])
+def test_split_kv_extend_matches_torch_backend(shape: str, splits: int) -> None:
+    """Split-KV extends (each query block's keys split into runs on several programs, merged
+    after): runs past a row's causal limit, runs shorter than a key block, empty runs."""
+    reqs = SHAPES[shape]
+    check_against_torch(_pools(4, 2, num_pages=64), 4, reqs, seed=splits, atol=2e-5,
+                        extend_splits=splits)
+
+
+def test_extend_splits_only_where_the_gpu_would_idle() -> None:
+    from engine.attention.triton_kernels import extend_splits
+
+    assert extend_splits(1, 100_000, torch.device("cpu")) == 1
+    if CUDA:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        dev = torch.device("cuda")
+        assert extend_splits(32, 8192, dev) == min(16, -(-2 * sms // 32))  # 64 rows over 8k
+        assert extend_splits(32, 300, dev) == 1  # too few keys to split
+        assert extend_splits(4 * sms, 8192, dev) == 1  # the GPU is full already
 
 
 @pytest.mark.gpu
