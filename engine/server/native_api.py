@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 
 from engine.server import logprob_format as LF
 from engine.server import openai_params as OP
@@ -32,6 +33,16 @@ from engine.server.schemas import (
     cache_key,
 )
 from engine.server.state import MAX_BODY_BYTES, ServerState
+
+
+class LookupBody(BaseModel):
+    """`POST /hicache/lookup`: a prompt as text or token ids, and its cache namespace."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = None
+    extra_key: str | None = None
+    cache_salt: str | None = None
 
 # Keys of the extra config whose values are never shown (as the scheduler's GET does).
 _SECRET_WORDS = ("token", "password", "secret", "key", "credential")
@@ -169,6 +180,20 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.get("/hicache/stats")
     async def hicache_stats() -> dict[str, Any]:
         return await _control("stats")
+
+    @app.post("/hicache/lookup")
+    async def hicache_lookup(request: Request) -> dict[str, Any]:
+        """How much of a prompt this engine holds now (device, then host), its page size and
+        L3 namespace: what `hicache-admin lookup` asks each engine."""
+        def tokens(b: LookupBody) -> list[int]:
+            if (b.text is None) == (b.input_ids is None):
+                raise bad("give exactly one of text and input_ids", "text")
+            return list(state.tokenize(b.text if b.text is not None else b.input_ids, "text"))
+
+        body, ids = await state.parse(request, LookupBody, tokens)
+        out = await _control("lookup", {"input_ids": list(ids or []),
+                                        "extra_key": cache_key(body.extra_key, body.cache_salt)})
+        return {**out, "input_ids": list(ids or [])}
 
     @app.get("/hicache/storage-backend")
     async def get_storage() -> dict[str, Any]:

@@ -220,6 +220,16 @@ class SchedulerProcess:
                 if payload.get("bandwidth"):
                     stats["bandwidth"] = self.bandwidth.drain()
                 return resp(**stats)
+            if op == "lookup":  # what a request for these tokens would find cached here
+                ids, key = payload.get("input_ids"), payload.get("extra_key")
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    return resp(400, "'input_ids' must be a list of token ids")
+                n = max(len(ids) - 1, 0)  # the last token is always computed (Req.match_len)
+                m = e.cache.match_prefix(ids[:n], extra_key=key)
+                ns = getattr(e.cache, "namespace", None)
+                return resp(tokens=len(ids), match_len=n, device_tokens=m.device_tokens,
+                            host_tokens=m.host_tokens, page_size=e.args.page_size,
+                            namespace=ns.hex() if ns else None, storage_backend=self.backend)
             if op == "flush_cache":
                 if not e.flush_cache():
                     return resp(409, "requests are in flight; flush the cache when idle")
