@@ -93,10 +93,17 @@ class RotaryEmbedding(nn.Module):
         """Recompute the frequencies (float32) where the buffer lives (after `to_empty`)."""
         self.inv_freq = rope_inv_freq(self.cfg, context_length).to(self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, D]` of `positions`, computed in float32 and cast once to `dtype`
+        (the activations'), as transformers does: every layer then uses them as they are."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -105,9 +112,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * c + _rotate_half(x) * s
+    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (`RotaryEmbedding`: no cast here, in
+    every layer)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -271,7 +278,7 @@ class LlamaForCausalLM(TPModel):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.prepare(batch)
         x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.model.rotary_emb(batch.positions)
+        cos, sin = self.model.rotary_emb(batch.positions, x.dtype)
         wait = batch.wait_layer
         for i, layer in enumerate(self.model.layers):
             if wait is not None:
