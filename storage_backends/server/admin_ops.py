@@ -4,19 +4,17 @@ releases and `bind_namespace`. The admin's operations are logged at INFO."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 from storage_backends.server import protocol as P
 from storage_backends.server.admin import PinLimit, namespace_rows
 
-if TYPE_CHECKING:
-    from storage_backends.server.server import HiCacheServer
-
 logger = logging.getLogger(__name__)
 
 
-def execute(server: HiCacheServer, req: P.Request, ident: bytes) -> P.Reply | None:
-    """The reply to a version-6 request, or None when `req` is of an older type."""
+def execute(server: Any, req: P.Request, ident: bytes) -> P.Reply | None:
+    """The reply to a version-6 request, or None when `req` is of an older type. `server`: the
+    `HiCacheServer` (not imported: it imports this module)."""
     rid = req.request_id
     tiers = server.tiers
     if isinstance(req, P.ShmReleaseRequest):
