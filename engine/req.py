@@ -59,6 +59,43 @@ class Req:
         n = len(self.prompt) + len(self.output) - 1
         return self.logprobs.cache_limit(n) if self.logprobs is not None else n
 
+    def append_token(
+        self, tok: int, eos_token_ids: Any, decode_text: Any, context_length: int
+    ) -> FinishReason | None:
+        """Add the sampled `tok` to the output; why the request ends with it (None: it goes on).
+        `eos_token_ids`: the model's EOS ids; `decode_text`: ids -> text (`TextStream`)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output.append(tok)
+        p = self.params
+        reason: FinishReason | None = None
+        if not p.ignore_eos and tok in eos_token_ids or tok in p.stop_token_ids:
+            reason = {"type": "stop", "matched": tok}
+        if self.detok is None:
+            self.detok = TextStream(decode_text, skip_special_tokens=p.skip_special_tokens,
+                                    stop=p.stop, trim=not p.no_stop_trim)
+        # Stop strings count once min_tokens are out (EOS and stop ids: the sampler holds
+        # them back until then); a grammar that reached its end finishes the request. The text
+        # of a stop token (EOS, stop_token_ids) is not output unless no_stop_trim.
+        matched = None
+        if reason is None or p.no_stop_trim:
+            matched = self.detok.push(
+                self.output, check_stop=reason is None and len(self.output) >= p.min_tokens
+            )
+        if reason is None and matched is None and self.matcher is not None \
+                and self.matcher.terminated:
+            reason = {"type": "stop", "matched": tok}
+        if matched is not None:
+            reason = {"type": "stop", "matched": matched}
+        if reason is None and len(self.output) >= p.max_new_tokens:
+            reason = {"type": "length", "length": p.max_new_tokens}
+        if reason is None and len(self.tokens) >= context_length:
+            reason = {"type": "length", "length": len(self.output)}
+        if reason is not None:
+            self.detok.finish()
+            self.text = self.detok.text
+        return reason
+
     def settle_load(self) -> None:
         """Pages loaded back for this request may be given back before a forward read them
         (abort, no room): make later work wait for their layer-wise load first."""

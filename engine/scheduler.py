@@ -27,7 +27,6 @@ from collections.abc import Callable
 import torch
 
 from engine.batch_ops import forward_prefill, sample_reqs
-from engine.detokenizer import TextStream
 from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
 from engine.sampling import Sampler
@@ -387,36 +386,8 @@ class Scheduler:
         return toks
 
     def _append_token(self, req: Req, tok: int) -> None:
-        if req.first_token_time is None:
-            req.first_token_time = time.time()
-        req.output.append(tok)
-        p = req.params
-        reason: FinishReason | None = None
-        if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
-            reason = {"type": "stop", "matched": tok}
-        if req.detok is None:
-            req.detok = TextStream(self.decode_text, skip_special_tokens=p.skip_special_tokens,
-                                   stop=p.stop, trim=not p.no_stop_trim)
-        # Stop strings count once min_tokens are out (EOS and stop ids: the sampler holds
-        # them back until then); a grammar that reached its end finishes the request. The text
-        # of a stop token (EOS, stop_token_ids) is not output unless no_stop_trim.
-        matched = None
-        if reason is None or p.no_stop_trim:
-            matched = req.detok.push(
-                req.output, check_stop=reason is None and len(req.output) >= p.min_tokens
-            )
-        if reason is None and matched is None and req.matcher is not None \
-                and req.matcher.terminated:
-            reason = {"type": "stop", "matched": tok}
-        if matched is not None:
-            reason = {"type": "stop", "matched": matched}
-        if reason is None and len(req.output) >= p.max_new_tokens:
-            reason = {"type": "length", "length": p.max_new_tokens}
-        if reason is None and len(req.tokens) >= self.context_length:
-            reason = {"type": "length", "length": len(req.output)}
+        reason = req.append_token(tok, self.eos_token_ids, self.decode_text, self.context_length)
         if reason is not None:
-            req.detok.finish()
-            req.text = req.detok.text
             self.running.remove(req)
             self._finish(req, reason)
 
