@@ -34,6 +34,15 @@ def reader(shared: str, **cfg):
     return tensor_cache(synchronous=True, storage=backend, **cfg), backend
 
 
+def prefetched(shared: str, tokens: list[int] = TOKENS, **cfg):
+    """A reader of `shared` whose prefetch of `tokens` (request "r") has read them all."""
+    store(shared, tokens)
+    cache, backend = reader(shared, **cfg)
+    assert cache.prefetch("r", tokens) == 32
+    cache.flush()
+    return cache
+
+
 def outcomes(cache) -> dict[str, int]:
     """The non-zero outcomes, after checking they sum to the tokens probed."""
     st = cache.stats
@@ -50,10 +59,7 @@ def admit(cache, tokens: list[int], rid: str = "r"):
 
 
 def test_reused() -> None:
-    store("o-reused", TOKENS)
-    cache, _ = reader("o-reused")
-    assert cache.prefetch("r", TOKENS) == 32
-    cache.flush()
+    cache = prefetched("o-reused")
     acq = admit(cache, TOKENS)
     assert acq.storage_hit_tokens == 32
     assert outcomes(cache) == {"reused": 32}
@@ -121,11 +127,8 @@ def test_recomputed_by_cost_model() -> None:
 
 def test_device_capacity() -> None:
     """Read into host memory, but the device pool has no room to load them for the request."""
-    store("o-dev", TOKENS)
-    cache, _ = reader("o-dev")
+    cache = prefetched("o-dev")
     held = cache.alloc_device(10)  # 6 of 16 pages left; the request needs 8
-    cache.prefetch("r", TOKENS)
-    cache.flush()
     assert admit(cache, TOKENS).storage_hit_tokens == 0
     assert outcomes(cache) == {"device_capacity": 32}
     cache.free_device(held)
@@ -190,8 +193,7 @@ def test_evicted_before_use() -> None:
     store("o-evict", PREFIX + TOKENS)
     cache, _ = reader("o-evict", write_policy="write_through_selective",
                       write_through_threshold=100)
-    pages = cache.alloc_device(4)
-    cache.insert(PREFIX, pages)
+    cache.insert(PREFIX, cache.alloc_device(4))
     assert cache.prefetch("r", PREFIX + TOKENS) == 32  # the tail only
     cache.flush()
     assert cache.evict(1000) == 16  # the prefix, gone from the tree
@@ -202,10 +204,7 @@ def test_evicted_before_use() -> None:
 
 def test_already_cached() -> None:
     """Another request computed the same tokens while they were being read."""
-    store("o-dup", TOKENS)
-    cache, _ = reader("o-dup")
-    cache.prefetch("r", TOKENS)
-    cache.flush()
+    cache = prefetched("o-dup")
     other = cache.acquire(TOKENS)  # no prefetch of its own: computes all 8 pages
     assert other.device_hit_tokens == 0
     cache.insert(TOKENS, cache.alloc_device(8))
@@ -216,10 +215,7 @@ def test_already_cached() -> None:
 
 
 def test_cancelled() -> None:
-    store("o-cancel", TOKENS)
-    cache, _ = reader("o-cancel")
-    cache.prefetch("r", TOKENS)
-    cache.flush()
+    cache = prefetched("o-cancel")
     cache.cancel_prefetch("r")
     cache.flush()
     assert outcomes(cache) == {"cancelled": 32}

@@ -17,6 +17,7 @@ completes when it is issued, so there is nothing to order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,9 @@ IOS = ["direct", "kernel"]
 # to queue the reads below, so an unordered read always runs first.
 SLOW_CYCLES = 30_000_000
 SENTINEL = 0x5A  # the byte a page holds before the copy that should fill it lands
+# Every host layout x io backend x layer-wise load or whole.
+EVERY_LOAD = pytest.mark.parametrize(
+    ("layout", "io", "layerwise"), list(itertools.product(LAYOUTS, IOS, [True, False])))
 
 
 @contextmanager
@@ -80,9 +84,7 @@ def fill_sentinel(t: torch.Tensor) -> None:
     t.view(torch.uint8).fill_(SENTINEL)
 
 
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-@pytest.mark.parametrize("io", IOS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@EVERY_LOAD
 def test_forward_reads_each_layer_only_after_its_slowed_load(
     monkeypatch: pytest.MonkeyPatch, layout: str, io: str, layerwise: bool
 ) -> None:
@@ -169,9 +171,7 @@ def test_host_pages_reused_while_a_slowed_load_reads_them(
                 assert torch.equal(got, torch.full_like(got, 0x33))
 
 
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-@pytest.mark.parametrize("io", IOS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@EVERY_LOAD
 def test_back_to_back_slowed_copies_keep_their_temporaries(
     monkeypatch: pytest.MonkeyPatch, layout: str, io: str, layerwise: bool
 ) -> None:
