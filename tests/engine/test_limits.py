@@ -130,8 +130,11 @@ def test_abort_and_step_api(tiny_model: Path) -> None:
 def test_engine_args_errors(tiny_model: Path) -> None:
     with pytest.raises(ConfigError, match="unknown schedule_policy 'random'"):
         Engine(model_path=str(tiny_model), schedule_policy="random")
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="missing: no such file or directory"):
         Engine(model_path=str(tiny_model / "missing"))
+    (tiny_model.parent / "empty").mkdir(exist_ok=True)
+    with pytest.raises(ConfigError, match="no config.json"):
+        Engine(model_path=str(tiny_model.parent / "empty"))
     with Engine(model_path=str(tiny_model), page_size=4) as e:
         e.add_request(input_ids=[1, 2, 3], rid="x")
         with pytest.raises(ValueError, match="already in use"):
