@@ -143,6 +143,32 @@ def _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _attend(q, q_pe, KBuf, VBuf, Row, lo, hi, last, kv_head_off, stride_bt, offs_d, mask_d,
+            offs_pe, sm_scale, ROWS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PE_DIM: tl.constexpr,
+            HAS_PE: tl.constexpr, V_FROM_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax of `ROWS` query rows over keys `lo .. hi - 1` of one request (its page
+    table row at `Row`), row r seeing keys up to `last[r]` (causal); the running max,
+    denominator and weighted sum of V. A row that sees none of them stays empty."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
+    acc = tl.full([ROWS, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
+            Row, n0, hi, kv_head_off, stride_bt, offs_d, mask_d, PAGE, BLOCK_N)
+        qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
+                        PE_DIM, HAS_PE, DOT_PREC)
+        ok = mask_n[None, :] & (offs_n[None, :] <= last[:, None])
+        qk = tl.where(ok, qk * sm_scale, float("-inf"))  # [ROWS, BLOCK_N]
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, KBuf, VBuf, PageTable, KvLens, MidO, MidLse, sm_scale,
     stride_qt, stride_qh, stride_bt, stride_bh, stride_pt,
@@ -170,21 +196,11 @@ def _decode_stage1(
     split_len = (kv_len + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
-            PageTable + b * stride_pt, n0, end, kvh * stride_bh, stride_bt, offs_d, mask_d,
-            PAGE, BLOCK_N)
-        qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
-                        PE_DIM, HAS_PE, DOT_PREC)
-        qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        if V_FROM_K:
-            v = k
-        else:
-            v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
+    last = tl.full([BLOCK_H], 0, dtype=tl.int32) + kv_len - 1  # every key is visible
+    m_i, l_i, acc = _attend(
+        q, q_pe, KBuf, VBuf, PageTable + b * stride_pt, start, end, last, kvh * stride_bh,
+        stride_bt, offs_d, mask_d, offs_pe, sm_scale, BLOCK_H, PAGE, BLOCK_N, BLOCK_D,
+        HEAD_DIM, PE_DIM, HAS_PE, V_FROM_K, DOT_PREC)
     has = l_i > 0.0  # an empty split (short sequence) reports -inf and a zero partial
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -301,24 +317,12 @@ def _extend_kernel(
     split_len = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, end)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n, mask_n, base, kv_off, kv_mask = _kv_block(
-            PageTable + b * stride_pt, n0, hi, kvh * stride_bh, stride_bt, offs_d, mask_d,
-            PAGE, BLOCK_N)
-        qk, k = _scores(q, q_pe, KBuf, base, kv_off, kv_mask, mask_n, offs_pe, HEAD_DIM,
-                        PE_DIM, HAS_PE, DOT_PREC)
-        # Key 0 is visible to every row: a row's first split always has a finite max; a later
-        # split past a row's causal limit leaves it empty (`_softmax_step`).
-        ok = mask_n[None, :] & (offs_n[None, :] <= (prefix + offs_m)[:, None])
-        qk = tl.where(ok, qk * sm_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        if V_FROM_K:
-            v = k
-        else:
-            v = tl.load(VBuf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
+    # Key 0 is visible to every row: a row's first split always has a finite max; a later
+    # split past a row's causal limit leaves it empty (`_softmax_step`).
+    m_i, l_i, acc = _attend(
+        q, q_pe, KBuf, VBuf, PageTable + b * stride_pt, lo, hi, prefix + offs_m,
+        kvh * stride_bh, stride_bt, offs_d, mask_d, offs_pe, sm_scale, BLOCK_M, PAGE, BLOCK_N,
+        BLOCK_D, HEAD_DIM, PE_DIM, HAS_PE, V_FROM_K, DOT_PREC)
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     mask_o = mask_m[:, None] & mask_d[None, :]
