@@ -39,7 +39,7 @@ STAMP := $(VENV)/.installed
 # `make client-wheel` writes dist/hicache_client-*.whl. The main distribution requires it.
 CLIENT_DIR := clients/hicache-client
 
-.PHONY: setup sysdeps run test lint bench clean client-wheel
+.PHONY: setup sysdeps run test lint bench clean client-wheel client-check
 
 $(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml clients/client_split.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,7 +57,13 @@ $(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml clients/client_sp
 setup: $(STAMP)
 
 client-wheel: setup
+	rm -rf $(CLIENT_DIR)/build
 	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist $(CLIENT_DIR)
+
+# The client's packaging tests, outside the loopback-only namespace: they resolve it with
+# sglang==0.5.23 and with vllm + lmcache==0.5.6 on PyPI (metadata only; a few minutes).
+client-check: setup
+	LMCACHE_TRACK_USAGE=false HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/integrations/test_client_packages.py
 
 sysdeps:
 	bash scripts/install_system_deps.sh
