@@ -141,6 +141,21 @@ def _usage(prepared: Prepared, n: int, finals: list[Update], cached: list[int]) 
     return usage(prompt, completion, hits)
 
 
+def _usage_chunk(head: dict[str, Any], prepared: Prepared, n: int, finals: dict[int, Update],
+                 cached: list[int]) -> dict[str, Any]:
+    """The last chunk of a stream that asked for usage (`stream_options.include_usage`)."""
+    done = [finals[i] for i in sorted(finals)]
+    return {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+
+
+async def _completed(request: Request, gens: list[Generation]) -> list[Update]:
+    """The final updates of a non-streamed answer; an aborted one is a 400."""
+    results = await results_or_abort(request, gens)
+    for u in results:
+        check_aborted(u)
+    return results
+
+
 def _new_lp(u: Update) -> bool:
     """Whether `u` brings output logprobs (or is the first with the prompt's)."""
     return u.logprobs is not None and (u.lp_first < len(u.logprobs.output)
@@ -211,13 +226,10 @@ def register(app: FastAPI, state: ServerState) -> None:
                     if u.finished:
                         finals[u.index] = u
                 if include_usage:
-                    done = [finals[i] for i in sorted(finals)]
-                    yield {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+                    yield _usage_chunk(head, prepared, n, finals, cached)
 
             return sse_response(events())
-        results = await results_or_abort(request, gens)
-        for u in results:
-            check_aborted(u)
+        results = await _completed(request, gens)
         choices = [{"index": u.index, "text": echoes[u.index // n] + u.text,
                     "logprobs": logprobs(u, echo=body.echo),
                     "finish_reason": finish_reason_str(u.finish_reason)} for u in results]
@@ -257,13 +269,10 @@ def register(app: FastAPI, state: ServerState) -> None:
                         finals[u.index] = u
                         yield chunk(u.index, {}, finish_reason_str(u.finish_reason))
                 if include_usage:
-                    done = [finals[i] for i in sorted(finals)]
-                    yield {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+                    yield _usage_chunk(head, prepared, n, finals, cached)
 
             return sse_response(events())
-        results = await results_or_abort(request, gens)
-        for u in results:
-            check_aborted(u)
+        results = await _completed(request, gens)
         choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
                     "logprobs": logprobs(u), "finish_reason": finish_reason_str(u.finish_reason)}
                    for u in results]
