@@ -227,11 +227,10 @@ def test_flags_table_matches_the_cli() -> None:
 # --- every documented `hicache-engine` command line starts a server that answers -------------
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-# Shown with placeholders (`...`, flags kept in shell arrays for remote hosts): not runnable as
-# written, and so not run. A new documented command is run unless it is added here.
+# Shown with placeholders (`...`, a shell array of four alternatives for remote hosts): not
+# runnable as written, and so not run. A new documented command is run unless it is added here.
 NOT_RUNNABLE = {
     ("docs/deployment.md", '"${COMMON[@]}" "${L3[@]}" --port $port &'),
-    ("docs/deployment.md", '--model-path /models/llama-3-8b --port $port "${L3[@]}" &'),
     ("docs/deployment.md", "... --kv-events-config"),
     ("docs/hicache-server.md", "--model-path ... --enable-hierarchical-cache"),
     ("docs/storage-distributed.md", "... --enable-hierarchical-cache"),
@@ -243,6 +242,7 @@ class EngineCommand:
     doc: str  # path relative to the repository
     line: int
     text: str  # the command as written, continuation lines joined
+    block: str = ""  # the fenced block it is in (where its shell arrays are defined)
 
 
 def engine_commands() -> list[EngineCommand]:
@@ -264,7 +264,8 @@ def engine_commands() -> list[EngineCommand]:
                     j += 1
                     cmd = cmd.removesuffix("\\").rstrip() + " " + lines[j].strip()
                 j += 1
-                found.append(EngineCommand(str(path.relative_to(REPO)), first + start, cmd))
+                found.append(EngineCommand(str(path.relative_to(REPO)), first + start, cmd,
+                                           body))
     return found
 
 
@@ -284,7 +285,7 @@ def test_engine_commands_found() -> None:
     for doc, prefix in NOT_RUNNABLE:
         assert any(c.doc == doc and c.text.removeprefix("hicache-engine ").startswith(prefix)
                    for c in cmds), (doc, prefix)
-    assert sum(runnable(c) for c in cmds) >= 6
+    assert sum(runnable(c) for c in cmds) >= 7
 
 
 def rewrite(cmd: EngineCommand, tmp: Path, ckpt: Path, store_url: str, token: str,
@@ -293,6 +294,9 @@ def rewrite(cmd: EngineCommand, tmp: Path, ckpt: Path, store_url: str, token: st
     copy of the demo checkpoint, the hicache-server at 127.0.0.1:7480 the test's, $port and
     $HICACHE_SERVER_AUTH_TOKEN what a shell would give them; a trailing `&` dropped."""
     text = cmd.text.removesuffix("&").strip()
+    for name in re.findall(r'"\$\{(\w+)\[@\]\}"', text):  # a bash array of the same block
+        [items] = re.findall(rf"^{name}=\((.*?)\)$", cmd.block, re.S | re.M)
+        text = text.replace(f'"${{{name}[@]}}"', " ".join(items.split("\n")))
     text = text.replace("$HICACHE_SERVER_AUTH_TOKEN", token).replace("$port", str(port))
     assert "$" not in text, f"{cmd.doc}:{cmd.line}: a shell variable this test cannot give"
     text = text.replace("tcp://127.0.0.1:7480", store_url)
