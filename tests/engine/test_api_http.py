@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.demo_model import ensure_demo_model
-from tests.engine.test_server_api import EngineServer, sse_events
+from tests.engine.test_server_api import EngineServer, engine_server, sse_events
 
 PS = 32  # the default page size
 PROMPT = ("Once upon a time there was a small cache that kept every page it ever saw, and the "
@@ -29,11 +29,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = EngineServer(tmp_path_factory.mktemp("server-issue17")).start()
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with engine_server(tmp_path_factory.mktemp("server-issue17")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,16 @@ class EngineServer:
     def stop(self) -> int | None:
         self.proc.stop(timeout=60)
         return self.proc.proc.returncode if self.proc.proc else None
+
+
+@contextmanager
+def engine_server(tmp: Path, flags: Sequence[str] = (), **kw: Any) -> Iterator[EngineServer]:
+    """Start an engine, yield it once it is ready, always stop it."""
+    srv = EngineServer(tmp, flags, **kw).start()
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +31,29 @@ def generate(srv: EngineServer, text: str, n: int = 12) -> dict[str, Any]:
     return out
 
 
-def test_two_engines_share_one_hicache_server(tmp_path: Path) -> None:
-    store = HiCacheServerProc(tmp_path, capacity="256MiB").start()
-    extra = json.dumps({"url": store.url})
-    flags = [*L3_FLAGS, "--hicache-storage-backend", "hicache",
-             "--hicache-storage-backend-extra-config", extra]
-    a = EngineServer(tmp_path, flags, name="engine-a").start()
-    b = EngineServer(tmp_path, flags, name="engine-b").start()
+@contextmanager
+def engines_on_one_store(tmp: Path, flags: Sequence[str], names: tuple[str, str],
+                         kill: bool = False) -> Iterator[tuple[EngineServer, EngineServer]]:
+    """A real `hicache-server` and two engines started together with `flags`, both ready, each
+    with that server as its L3. On exit the engines are stopped (SIGKILLed with `kill`), then
+    the server."""
+    store = HiCacheServerProc(tmp, capacity="256MiB").start()
+    flags = [*flags, *L3_FLAGS, "--hicache-storage-backend", "hicache",
+             "--hicache-storage-backend-extra-config", json.dumps({"url": store.url})]
+    a, b = (EngineServer(tmp, flags, name=n).start() for n in names)
     try:
-        a.wait_ready()
-        b.wait_ready()
+        yield a.wait_ready(), b.wait_ready()
+    finally:
+        for e in (a, b):
+            if kill:
+                e.proc.kill()
+            else:
+                e.stop()
+        store.stop()
+
+
+def test_two_engines_share_one_hicache_server(tmp_path: Path) -> None:
+    with engines_on_one_store(tmp_path, [], ("engine-a", "engine-b")) as (a, b):
         out_a = generate(a, LONG_PROMPT)
         prompt_tokens = out_a["meta_info"]["prompt_tokens"]
         assert prompt_tokens > 300
@@ -57,10 +72,6 @@ def test_two_engines_share_one_hicache_server(tmp_path: Path) -> None:
         assert sb["device_hit_tokens"] == 0 and sb["prefetch_pages"] > 0
         assert sb["corrupt_pages"] == 0
         assert b.get("/hicache/storage-backend")["backend"] == "hicache"
-    finally:
-        for e in (a, b):
-            e.stop()
-        store.stop()
     assert "Traceback" not in a.proc.log() + b.proc.log()
 
 

@@ -12,18 +12,15 @@ from typing import Any
 
 import pytest
 
-from tests.engine.test_server_api import EngineServer, sse_events
+from tests.engine.test_server_api import EngineServer, engine_server, sse_events
 
 PS = 32  # the default page size
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = EngineServer(tmp_path_factory.mktemp("server-openai")).start()
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with engine_server(tmp_path_factory.mktemp("server-openai")) as srv:
+        yield srv
 
 
 def fresh_prompt(seed: int, n_tokens: int) -> list[int]:
@@ -157,12 +154,9 @@ def test_unknown_and_unsupported_fields_are_refused(server: EngineServer) -> Non
 
 def test_allow_unknown_fields_drops_only_unknown_ones(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    srv = EngineServer(tmp_path_factory.mktemp("lenient"), ["--allow-unknown-fields"],
-                       name="lenient").start()
-    try:
-        check_refusals(srv.wait_ready(), unknown_refused=False)
-    finally:
-        srv.stop()
+    with engine_server(tmp_path_factory.mktemp("lenient"), ["--allow-unknown-fields"],
+                       name="lenient") as srv:
+        check_refusals(srv, unknown_refused=False)
 
 
 def test_server_info_and_model_card(server: EngineServer) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from engine.demo_model import ensure_demo_model
 from engine.server import request_fields as RF
-from tests.engine.test_server_api import EngineServer, sse_events
+from tests.engine.test_server_api import EngineServer, engine_server, sse_events
 from tests.integrations.sglang_env import load_sglang_pools, sglang_skip_reason
 
 _SKIP = sglang_skip_reason()
@@ -32,11 +32,8 @@ SGLANG_INTERNAL = {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_reg
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = EngineServer(tmp_path_factory.mktemp("sglang-fields")).start()
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with engine_server(tmp_path_factory.mktemp("sglang-fields")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

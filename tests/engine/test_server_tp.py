@@ -4,20 +4,17 @@ the TP=1 engine, per-rank stats, and no rank process outliving its scheduler."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from engine.engine import Engine
-from tests.engine.test_server_api import EngineServer, pid_alive, wait_gone
-from tests.engine.test_server_multi import L3_FLAGS, LONG_PROMPT, PAGE
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+from tests.engine.test_server_api import pid_alive, wait_gone
+from tests.engine.test_server_multi import LONG_PROMPT, PAGE, engines_on_one_store, generate
 
 pytestmark = pytest.mark.slow
 
@@ -35,24 +32,9 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in text.split()]
 
 
-def _generate(srv: EngineServer, text: str) -> dict[str, Any]:
-    out: dict[str, Any] = srv.post("/generate", {
-        "text": text, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                          "ignore_eos": True}})
-    return out
-
-
 def test_tp2_servers_share_l3_and_match_tp1(tmp_path: Path) -> None:
-    store = HiCacheServerProc(tmp_path, capacity="256MiB").start()
-    extra = json.dumps({"url": store.url})
-    flags = [*TP_FLAGS, *L3_FLAGS, "--hicache-storage-backend", "hicache",
-             "--hicache-storage-backend-extra-config", extra]
-    a = EngineServer(tmp_path, flags, name="tp-a").start()
-    b = EngineServer(tmp_path, flags, name="tp-b").start()
-    try:
-        a.wait_ready()
-        b.wait_ready()
-        out_a = _generate(a, LONG_PROMPT)
+    with engines_on_one_store(tmp_path, TP_FLAGS, ("tp-a", "tp-b"), kill=True) as (a, b):
+        out_a = generate(a, LONG_PROMPT)
         prompt_tokens = out_a["meta_info"]["prompt_tokens"]
         sa = a.wait_transfers()
         assert [r["rank"] for r in sa["ranks"]] == [0, 1]
@@ -62,7 +44,7 @@ def test_tp2_servers_share_l3_and_match_tp1(tmp_path: Path) -> None:
                                       "storage_failed_pages", "backup_skipped_tokens")}
                    for r in sa["ranks"]]
         assert all(b["storage_backup_pages"] >= want for b in backups), (want, backups)
-        out_b = _generate(b, LONG_PROMPT)
+        out_b = generate(b, LONG_PROMPT)
         assert out_b["output_ids"] == out_a["output_ids"]
         sb = b.stats()
         hit = want * PAGE
@@ -85,8 +67,4 @@ def test_tp2_servers_share_l3_and_match_tp1(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert not any(pid_alive(p) for p in ranks), "a tp rank outlived its scheduler"
         assert wait_gone(sched)
-    finally:
-        for e in (a, b):
-            e.proc.kill()
-        store.stop()
     assert "Traceback" not in a.proc.log()
