@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,7 +375,7 @@ def test_every_documented_engine_command_serves(tmp_path: Path) -> None:
                 assert r.status_code == 200, (where, r.text)
                 out = r.json()
                 assert out["model"] == model and out["usage"]["completion_tokens"] == 4, where
-                proc.proc.send_signal(2)  # SIGINT, as Ctrl-C: a clean stop
+                proc.proc.send_signal(signal.SIGINT)  # as Ctrl-C: a clean stop
                 assert proc.proc.wait(timeout=120) == 0, (where, proc.log()[-4000:])
             finally:
                 proc.stop(timeout=60)
