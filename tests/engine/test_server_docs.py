@@ -16,6 +16,7 @@ import re
 import shlex
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,25 +56,33 @@ def _complete(cmd: str) -> bool:
     return True
 
 
+def commands(body: str, name: str) -> Iterator[tuple[int, str, int]]:
+    """(first line, command, index of the line after it) of every `name ...` command in a
+    block's body; continuation lines (after a trailing backslash, or inside an open quote) are
+    joined with newlines."""
+    lines = body.splitlines()
+    j = 0
+    while j < len(lines):
+        if not lines[j].lstrip().startswith(name + " "):
+            j += 1
+            continue
+        start, cmd = j, lines[j]
+        while cmd.endswith("\\") or not _complete(cmd):
+            j += 1
+            cmd = (cmd[:-1] if cmd.endswith("\\") else cmd) + "\n" + lines[j]
+        j += 1
+        yield start, cmd, j
+
+
 def examples(text: str) -> list[Example]:
     found: list[Example] = []
     bl = blocks(text)
     for i, (lang, first, body) in enumerate(bl):
-        if lang != "bash" or "curl " not in body:
+        if lang != "bash":
             continue
         lines = body.splitlines()
-        j = 0
-        while j < len(lines):
-            if not lines[j].lstrip().startswith("curl "):
-                j += 1
-                continue
-            start = j
-            cmd = lines[j]
-            while cmd.endswith("\\") or not _complete(cmd):  # continued, or inside a quote
-                j += 1
-                cmd = (cmd[:-1] if cmd.endswith("\\") else cmd) + "\n" + lines[j]
+        for start, cmd, j in commands(body, "curl"):
             comment = []
-            j += 1
             while j < len(lines) and lines[j].startswith("# "):
                 comment.append(lines[j][2:])
                 j += 1
@@ -254,19 +263,9 @@ def engine_commands() -> list[EngineCommand]:
         for lang, first, body in blocks(text):
             if lang != "bash":
                 continue
-            lines = body.splitlines()
-            j = 0
-            while j < len(lines):
-                if not lines[j].lstrip().startswith("hicache-engine "):
-                    j += 1
-                    continue
-                start, cmd = j, lines[j].strip()
-                while cmd.endswith("\\") or not _complete(cmd):
-                    j += 1
-                    cmd = cmd.removesuffix("\\").rstrip() + " " + lines[j].strip()
-                j += 1
-                found.append(EngineCommand(str(path.relative_to(REPO)), first + start, cmd,
-                                           body))
+            for start, cmd, _ in commands(body, "hicache-engine"):
+                found.append(EngineCommand(str(path.relative_to(REPO)), first + start,
+                                           re.sub(r"\s*\n\s*", " ", cmd.strip()), body))
     return found
 
 

@@ -23,6 +23,14 @@ def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict,
     return rc, (json.loads(out.out) if rc == 0 else {}), out.err
 
 
+def chats(folder: Path, *names: str) -> Path:
+    """`folder` holding a copy of the chat example under each name."""
+    folder.mkdir()
+    for name in names:
+        shutil.copy(CHAT, folder / name)
+    return folder
+
+
 def test_repository_traces_folder_skips_the_chat_trace(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -39,10 +47,7 @@ def test_repository_traces_folder_skips_the_chat_trace(
 def test_folder_with_a_tokenizer_reads_the_chat_trace_and_skips_the_other_format(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    d = tmp_path / "traces"
-    d.mkdir()
-    shutil.copy(CHAT, d / "a_chat.jsonl")
-    shutil.copy(CHAT, d / "b_chat.jsonl")
+    d = chats(tmp_path / "traces", "a_chat.jsonl", "b_chat.jsonl")
     write_jsonl(d / "c_blocks.jsonl", mooncake_rows([([0, 1], 0)], 16))
     rc, doc, _ = run(capsys, [str(d), "--tokenizer", "hicache-demo", "--page-size", "4"])
     assert rc == 0
@@ -60,10 +65,7 @@ def test_folder_with_a_tokenizer_reads_the_chat_trace_and_skips_the_other_format
 def test_folder_with_nothing_readable_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    d = tmp_path / "chats"
-    d.mkdir()
-    shutil.copy(CHAT, d / "a.jsonl")
-    shutil.copy(CHAT, d / "b.jsonl")
+    d = chats(tmp_path / "chats", "a.jsonl", "b.jsonl")
     rc, _, err = run(capsys, [str(d)])
     assert rc == 2
     assert err.startswith(f"hicache-hitrate: error: {d}: no usable trace file: skipped "
