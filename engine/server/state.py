@@ -139,8 +139,11 @@ class ServerState:
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             self.check_chars(len(prompt), param)
-            with self._tok_lock:
-                ids = self.tokenizer.encode(prompt)
+            try:
+                with self._tok_lock:
+                    ids = self.tokenizer.encode(prompt)
+            except ConfigError as e:  # no tokenizer (a dummy-weight model): send token ids
+                raise bad(str(e), param) from e
         else:
             ids = list(prompt)
         self.check_prompt(ids, param)

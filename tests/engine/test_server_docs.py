@@ -430,3 +430,9 @@ def test_dummy_model_from_a_config_alone_serves_token_ids(tmp_path: Path) -> Non
         out = r.json()
         assert out["text"] == "" and len(out["output_ids"]) == 3
         assert out["meta_info"]["prompt_tokens"] == 3
+        # Text needs a tokenizer: the request's fault, said so (a 400, not an internal error).
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "a text prompt", "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "no tokenizer" in r.json()["error"]["message"]
+        assert "input_ids" in r.json()["error"]["message"]
