@@ -379,7 +379,9 @@ def resolve(requirements: list[str], report: Path) -> tuple[dict[str, str] | Non
 
 ENGINES = {
     "sglang": (["sglang==0.5.23"], {"sglang": "0.5.23"}),
-    "lmcache": (["vllm", "lmcache==0.5.6"], {"lmcache": "0.5.6"}),
+    # vllm pinned to the release that resolved with lmcache 0.5.6 on 2026-12-04 (torch 2.14.0):
+    # a later vllm must not turn this test red on its own.
+    "lmcache": (["vllm==0.33.0", "lmcache==0.5.6"], {"lmcache": "0.5.6", "vllm": "0.33.0"}),
 }
 
 
