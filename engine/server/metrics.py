@@ -111,48 +111,45 @@ class _CacheCollector(Collector):
                 yield g
 
 
+# The front end's own metrics: (attribute, name without prefix, help, histogram buckets or None
+# for a counter).
+SERVER_METRICS: tuple[tuple[str, str, str, tuple[float, ...] | None], ...] = (
+    ("ttft", "time_to_first_token_seconds", "Time to first token in seconds.", LATENCY_BUCKETS),
+    ("itl", "inter_token_latency_seconds", "Time between output tokens in seconds.",
+     LATENCY_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+     LATENCY_BUCKETS),
+    ("prefetch_bw", "prefetch_bandwidth", "L3 prefetch bandwidth in GB/s (sampled).",
+     BANDWIDTH_BUCKETS),
+    ("backup_bw", "backup_bandwidth", "L3 backup bandwidth in GB/s (sampled).", BANDWIDTH_BUCKETS),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests.", None),
+    ("generation_tokens", "generation_tokens", "Generated tokens of finished requests.", None),
+    ("cached_tokens", "cached_tokens", "Prompt tokens served from the cache.", None),
+    ("requests", "num_requests", "Finished requests.", None),
+    ("aborted", "num_aborted_requests", "Requests aborted (client gone or unservable).", None),
+    ("bad_requests", "num_bad_requests", "Requests answered with a 4xx error.", None),
+)
+
+
 class ServerMetrics:
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    prefetch_bw: Histogram
+    backup_bw: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    cached_tokens: Counter
+    requests: Counter
+    aborted: Counter
+    bad_requests: Counter
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token in seconds.",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between output tokens in seconds.",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.prefetch_bw = Histogram(
-            PREFIX + "prefetch_bandwidth", "L3 prefetch bandwidth in GB/s (sampled).",
-            buckets=BANDWIDTH_BUCKETS, registry=r,
-        )
-        self.backup_bw = Histogram(
-            PREFIX + "backup_bandwidth", "L3 backup bandwidth in GB/s (sampled).",
-            buckets=BANDWIDTH_BUCKETS, registry=r,
-        )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens of finished requests.", registry=r
-        )
-        self.cached_tokens = Counter(
-            PREFIX + "cached_tokens", "Prompt tokens served from the cache.", registry=r
-        )
-        self.requests = Counter(
-            PREFIX + "num_requests", "Finished requests.", registry=r
-        )
-        self.aborted = Counter(
-            PREFIX + "num_aborted_requests", "Requests aborted (client gone or unservable).",
-            registry=r,
-        )
-        self.bad_requests = Counter(
-            PREFIX + "num_bad_requests", "Requests answered with a 4xx error.", registry=r
-        )
+        for attr, name, doc, buckets in SERVER_METRICS:
+            metric = (Counter(PREFIX + name, doc, registry=r) if buckets is None
+                      else Histogram(PREFIX + name, doc, buckets=buckets, registry=r))
+            setattr(self, attr, metric)
         self.cache = _CacheCollector()
         r.register(self.cache)
 
