@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -34,6 +34,16 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 30.0,
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0, interval: float = 0.05,
+               what: str = "condition") -> None:
+    """Poll `cond` every `interval` seconds until it holds; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached after {timeout}s")
+        time.sleep(interval)
 
 
 class ManagedProcess:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 import random
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +88,6 @@ def settle(engine: Engine) -> None:
     """Wait for every background transfer, then drop L1 and L2 (L3 keeps its pages)."""
     engine.wait_transfers(120)
     assert engine.flush_cache()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 60.0, interval: float = 0.05,
-               what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached after {timeout}s")
-        time.sleep(interval)
 
 
 class Reference:

@@ -23,7 +23,7 @@ import pytest
 
 from engine.server.state import MAX_BODY_BYTES
 from tests.engine.test_server_api import EngineServer
-from tests.reliability.conftest import wait_until
+from tests.procs import wait_until
 
 # " afternoons" is one token of the demo tokenizer: prompts long in characters, short in tokens.
 WORD = " afternoons"

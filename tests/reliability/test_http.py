@@ -27,9 +27,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.procs import ManagedProcess, free_port
+from tests.procs import ManagedProcess, free_port, wait_until
 from tests.reliability.conftest import SAMPLING as GREEDY
-from tests.reliability.conftest import Reference, make_prompts, wait_until
+from tests.reliability.conftest import Reference, make_prompts
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 
 REPO = Path(__file__).resolve().parents[2]

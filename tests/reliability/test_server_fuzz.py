@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from storage_backends.server import protocol as P
-from tests.reliability.conftest import wait_until
+from tests.procs import wait_until
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,
     codec,

@@ -14,7 +14,7 @@ from pathlib import Path
 import zmq
 
 from storage_backends.server import protocol as P
-from tests.reliability.conftest import wait_until
+from tests.procs import wait_until
 from tests.reliability.test_server_fuzz import rss_kib
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, page_key
 

@@ -18,16 +18,19 @@ from pathlib import Path
 import pytest
 
 from storage_backends.server import protocol as P
-from tests.reliability.conftest import wait_until
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient, page_key
+from tests.procs import wait_until
+from tests.storage_backends.hicache_server_proc import (
+    HiCacheServerProc,
+    RawClient,
+    page_key,
+    raw_clients,
+)
 
 
 @pytest.fixture
 def clients() -> Iterator[list[RawClient]]:
-    made: list[RawClient] = []
-    yield made
-    for c in made:
-        c.close()
+    with raw_clients() as made:
+        yield made
 
 
 def _value(tag: bytes, i: int, size: int) -> bytes:

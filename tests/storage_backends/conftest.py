@@ -128,6 +128,9 @@ class HarnessPool:
 
     def factory(self, h: Harness) -> BackendFactory:
         if h.name not in self._started:
+            reason = h.skip_reason()
+            if reason:
+                pytest.skip(reason)
             tmp = self._tmp.mktemp(f"harness-{h.name}")
             self._started[h.name] = self._stack.enter_context(h.start(tmp))
         return self._started[h.name]

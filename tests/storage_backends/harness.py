@@ -28,6 +28,8 @@ class Harness:
     # context manager factory: start(tmp_dir) -> yields a BackendFactory
     start: Callable[[Path], AbstractContextManager[BackendFactory]]
     marks: list[Any] = field(default_factory=list)
+    # Why the real component cannot run here (None: it can); the suite skips the harness then.
+    skip_reason: Callable[[], str | None] = lambda: None
     # Whether a corrupt record can be deleted by the backend (all of ours can).
     deletes_corrupt: bool = True
     # A function(factory, key, raw_bytes) that stores raw bytes under `key`, bypassing nothing

@@ -44,9 +44,6 @@ def lmcache_server(log_dir: Path, port: int | None = None) -> Iterator[str]:
 
 @contextmanager
 def _start(tmp: Path) -> Iterator[BackendFactory]:
-    reason = lmcache_skip_reason()
-    if reason:
-        pytest.skip(reason)
     from storage_backends.lmcache_backend import LMCacheBackend
 
     with (
@@ -56,4 +53,5 @@ def _start(tmp: Path) -> Iterator[BackendFactory]:
         yield f
 
 
-HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache])
+HARNESS = Harness(name="lmcache", start=_start, marks=[pytest.mark.lmcache],
+                  skip_reason=lmcache_skip_reason)

@@ -27,9 +27,6 @@ SEGMENT_BYTES = 256 << 20
 
 @contextmanager
 def _start(tmp: Path) -> Iterator[BackendFactory]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
     from storage_backends.mooncake_backend import MooncakeBackend
 
     with (
@@ -42,4 +39,5 @@ def _start(tmp: Path) -> Iterator[BackendFactory]:
         yield f
 
 
-HARNESS = Harness(name="mooncake", start=_start, marks=[pytest.mark.mooncake])
+HARNESS = Harness(name="mooncake", start=_start, marks=[pytest.mark.mooncake],
+                  skip_reason=skip_reason)

@@ -19,9 +19,9 @@ from hicache.storage import PageCodec, StorageConfig
 from storage_backends.hicache_backend import HiCacheServerBackend
 from storage_backends.server import protocol as P
 from tests.procs import ManagedProcess, free_port, wait_for_port
+from tests.storage_backends.conftest import NAMESPACE, make_codec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NAMESPACE = bytes(32)
 
 
 class HiCacheServerProc:
@@ -128,11 +128,17 @@ class HiCacheServerProc:
         return self.proc.log() if self.proc is not None else ""
 
     def client(self, **extra: Any) -> HiCacheServerBackend:
-        cfg: dict[str, Any] = {"url": self.url, "timeout_ms": 5000}
-        if self.auth_token is not None:
-            cfg["auth_token"] = self.auth_token
-        cfg.update(extra)
-        return HiCacheServerBackend(StorageConfig(extra=cfg, namespace=NAMESPACE.hex()))
+        return client_of(self.url, self.auth_token, **{"timeout_ms": 5000, **extra})
+
+
+def client_of(url: str, token: str | None = None, **extra: Any) -> HiCacheServerBackend:
+    """A backend of the test namespace on the server at `url` (10 s timeout unless `extra` says
+    otherwise), with `token` when one is given."""
+    cfg: dict[str, Any] = {"url": url, "timeout_ms": 10000}
+    if token is not None:
+        cfg["auth_token"] = token
+    cfg.update(extra)
+    return HiCacheServerBackend(StorageConfig(extra=cfg, namespace=NAMESPACE.hex()))
 
 
 class OldProtocolServer(HiCacheServerProc):
@@ -169,14 +175,7 @@ def hicache_server(tmp: Path, **kw: Any) -> Iterator[HiCacheServerProc]:
 
 
 def codec(payload_bytes: int = 4096 - 128) -> PageCodec:
-    return PageCodec(
-        namespace=NAMESPACE,
-        dtype="uint8",
-        shape=(payload_bytes,),
-        layout="raw",
-        tokens_per_page=16,
-        itemsize=1,
-    )
+    return make_codec(payload_bytes)
 
 
 def page_key(space: str, i: int) -> str:
@@ -188,9 +187,20 @@ def page_record(c: PageCodec, space: str, i: int, version: int = 0) -> bytearray
     return c.encode(page_key(space, i), payload)
 
 
+def pages(space: str, n: int, payload: int) -> tuple[list[str], list[bytearray]]:
+    """Pages 0..n-1 of `space` with `payload`-byte payloads: their keys and records."""
+    c = codec(payload)
+    return [page_key(space, i) for i in range(n)], [page_record(c, space, i) for i in range(n)]
+
+
 # --------------------------------------------------------------------------------------------
 # Client-process workers (module-level so multiprocessing "spawn" can import them)
 # --------------------------------------------------------------------------------------------
+
+
+def _batches(n: int, batch: int) -> Iterator[range]:
+    """0..n-1 in runs of `batch`."""
+    return (range(start, min(n, start + batch)) for start in range(0, n, batch))
 
 
 def write_pages(
@@ -198,14 +208,10 @@ def write_pages(
 ) -> dict[str, int]:
     """Write pages 0..n-1 of `space`; return counters (the process exit code says success)."""
     c = codec(payload)
-    extra: dict[str, Any] = {"url": url, "timeout_ms": 10000}
-    if token is not None:
-        extra["auth_token"] = token
-    b = HiCacheServerBackend(StorageConfig(extra=extra, namespace=NAMESPACE.hex()))
+    b = client_of(url, token)
     failed = 0
     try:
-        for start in range(0, n, batch):
-            idx = range(start, min(n, start + batch))
+        for idx in _batches(n, batch):
             recs = [memoryview(page_record(c, space, i)) for i in idx]
             ok = b.batch_set([page_key(space, i) for i in idx], recs)
             failed += ok.count(False)
@@ -223,14 +229,10 @@ def read_pages(
     """Read pages 0..n-1 of `space` and compare each with what `write_pages` wrote; raise on any
     miss or difference."""
     c = codec(payload)
-    extra: dict[str, Any] = {"url": url, "timeout_ms": 10000}
-    if token is not None:
-        extra["auth_token"] = token
-    b = HiCacheServerBackend(StorageConfig(extra=extra, namespace=NAMESPACE.hex()))
+    b = client_of(url, token)
     hits = 0
     try:
-        for start in range(0, n, batch):
-            idx = range(start, min(n, start + batch))
+        for idx in _batches(n, batch):
             keys = [page_key(space, i) for i in idx]
             out = [memoryview(bytearray(c.record_bytes)) for _ in idx]
             ok = b.batch_get(keys, out)
@@ -259,9 +261,7 @@ def mixed_worker(
 
     c = codec(payload)
     rng = random.Random(worker)
-    b = HiCacheServerBackend(
-        StorageConfig(extra={"url": url, "timeout_ms": 20000}, namespace=NAMESPACE.hex())
-    )
+    b = client_of(url, timeout_ms=20000)
     mine = f"w{worker}"
     stored: set[int] = set()
     mismatches = ops = 0
@@ -361,6 +361,17 @@ class RawClient:
         self.ctx.term()
 
 
+@contextmanager
+def raw_clients() -> Iterator[list[RawClient]]:
+    """A list for a test's `RawClient`s: each one put in it is closed on exit."""
+    made: list[RawClient] = []
+    try:
+        yield made
+    finally:
+        for c in made:
+            c.close()
+
+
 def churn_worker(url: str, worker: int, rounds: int, result_path: str, payload: int) -> None:
     """`rounds` random sets and gets of up to 8 pages among 96 keys shared by every worker (one
     record per key, so any hit has exactly one right value), against a server too small for
@@ -370,9 +381,7 @@ def churn_worker(url: str, worker: int, rounds: int, result_path: str, payload: 
 
     c = codec(payload)
     rng = random.Random(1000 + worker)
-    b = HiCacheServerBackend(
-        StorageConfig(extra={"url": url, "timeout_ms": 20000}, namespace=NAMESPACE.hex())
-    )
+    b = client_of(url, timeout_ms=20000)
     recs = {i: page_record(c, "churn", i) for i in range(96)}
     res = {"hits": 0, "misses": 0, "wrong": 0}
     try:

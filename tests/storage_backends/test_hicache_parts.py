@@ -37,8 +37,8 @@ from tests.storage_backends.hicache_server_proc import (
     RawClient,
     codec,
     hicache_server,
-    page_key,
     page_record,
+    pages,
 )
 
 PAYLOAD = (64 << 10) - 128  # 64 KiB records
@@ -74,11 +74,6 @@ def _joined(parts: Sequence[memoryview]) -> bytes:
 
 def _untouched(parts: Sequence[memoryview]) -> bool:
     return all(bytes(p) == bytes([FILL]) * len(p) for p in parts)
-
-
-def _pages(space: str, n: int) -> tuple[list[str], list[bytearray]]:
-    c = codec(PAYLOAD)
-    return [page_key(space, i) for i in range(n)], [page_record(c, space, i) for i in range(n)]
 
 
 def _other_format(key: str, payload: bytes) -> bytearray:
@@ -135,7 +130,7 @@ def test_verify_copied_parts_takes_only_the_judged_header_with_its_checksum(shap
     """After a header was judged where it lay, the copy must start with exactly that header
     (a valid record of another format is not passed by its own checksum) and hold its checksum
     over the parts."""
-    keys, recs = _pages("copied", 1)
+    keys, recs = pages("copied", 1, PAYLOAD)
     rec = bytes(recs[0])
     head = rec[:HEADER_BYTES]
     version = verify_head(head, keys[0], len(rec)).version
@@ -201,7 +196,7 @@ def _memory() -> MemoryBackend:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_default_parts_go_through_temporaries(shape: str) -> None:
     sizes = SHAPES[shape]
-    keys, recs = _pages("default", 5)
+    keys, recs = pages("default", 5, PAYLOAD)
     b = _memory()
     assert b.batch_set_parts(keys[:4], [_split(r, sizes) for r in recs[:4]]) == [True] * 4
     out = [memoryview(bytearray(len(r))) for r in recs[:4]]
@@ -245,7 +240,7 @@ def _st(b: Any) -> tuple[int, ...]:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_one_copy_each_way_through_the_store(tmp_path: Path, shape: str) -> None:
     sizes = SHAPES[shape]
-    keys, recs = _pages(f"store-{shape}", 6)
+    keys, recs = pages(f"store-{shape}", 6, PAYLOAD)
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path) as srv:
         b = srv.client()
@@ -273,7 +268,7 @@ def test_a_bad_record_in_the_store(tmp_path: Path, fault: str) -> None:
     """Judged on its header where it lies, a bad record is never copied into the parts; one
     whose header is right but whose payload fails the checksum is found bad only after its
     copy (the parts then hold it, and the caller is told False)."""
-    keys, recs = _pages("bad", 2)
+    keys, recs = pages("bad", 2, PAYLOAD)
     sizes = SHAPES["head+4"]
     rec = bytearray(recs[0])
     if fault == "bit_flip":
@@ -314,7 +309,7 @@ def test_a_header_changed_during_the_copy_is_refused_though_its_record_is_valid(
     header (a writer that broke the arena's protocol, generation unchanged), the copy is not
     taken on its own checksum: here a valid record of the same key and payload but of a
     format `accept` refuses. A counted corrupt miss, deleted."""
-    keys, recs = _pages("swap", 1)
+    keys, recs = pages("swap", 1, PAYLOAD)
     other = bytes(_other_format(keys[0], recs[0][HEADER_BYTES:]))
     real_scatter = hicache_backend.scatter
 
@@ -343,7 +338,7 @@ def test_a_copy_that_raced_a_free_is_read_the_other_way(
     read then (here a header that fails its checks, or a payload with a wrong byte) is not
     judged; the record is read through the region, checked there, and delivered valid, and
     nothing is counted corrupt or deleted."""
-    keys, recs = _pages(f"race-{when}", 3)
+    keys, recs = pages(f"race-{when}", 3, PAYLOAD)
     sizes = SHAPES["head+4"]
     race = {"armed": True, "torn": False}
     real_current = StoreMap.current
@@ -403,7 +398,7 @@ def test_a_record_gone_after_a_torn_copy_is_a_miss(
     caller was told False. That needs the read's lease to have expired (1 ms) before the
     delete: under its lease (10 s) the deleted record's blocks are kept until the read ends,
     so the copy is whole and checked."""
-    keys, recs = _pages("gone", 1)
+    keys, recs = pages("gone", 1, PAYLOAD)
     sizes = SHAPES["head+4"]
     with hicache_server(tmp_path, args=["--read-lease-ms", lease_ms]) as srv:
         b = srv.client()
@@ -442,7 +437,7 @@ def test_a_record_gone_after_a_torn_copy_is_a_miss(
 
 @pytest.mark.parametrize("path", ["region", "tcp"])
 def test_the_region_and_tcp_paths(tmp_path: Path, path: str) -> None:
-    keys, recs = _pages(f"fallback-{path}", 5)
+    keys, recs = pages(f"fallback-{path}", 5, PAYLOAD)
     total = sum(len(r) for r in recs)
     sizes = SHAPES["cut-head"]
     args = REGION_ONLY if path == "region" else []
@@ -468,7 +463,7 @@ def test_the_region_and_tcp_paths(tmp_path: Path, path: str) -> None:
 
 
 def test_a_record_larger_than_the_region_goes_as_one_frame(tmp_path: Path) -> None:
-    keys, recs = _pages("big", 2)
+    keys, recs = pages("big", 2, PAYLOAD)
     with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client(shm_bytes=16 << 10)  # smaller than a record
         assert b.batch_set_parts(keys, [_split(r, SHAPES["head+4"]) for r in recs]) == [True] * 2
@@ -482,7 +477,7 @@ def test_a_record_larger_than_the_region_goes_as_one_frame(tmp_path: Path) -> No
 
 
 def test_a_key_named_twice(tmp_path: Path) -> None:
-    keys, recs = _pages("twice", 2)
+    keys, recs = pages("twice", 2, PAYLOAD)
     sizes = SHAPES["head+4"]
     with hicache_server(tmp_path) as srv:
         b = srv.client()
@@ -495,7 +490,7 @@ def test_a_key_named_twice(tmp_path: Path) -> None:
 
 
 def test_a_dead_server_is_a_counted_miss(tmp_path: Path) -> None:
-    keys, recs = _pages("dead", 3)
+    keys, recs = pages("dead", 3, PAYLOAD)
     sizes = SHAPES["head+4"]
     with hicache_server(tmp_path) as srv:
         b = srv.client(timeout_ms=500)

@@ -9,7 +9,6 @@ import multiprocessing as mp
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from hicache.errors import ConfigError, StorageUnavailable
 from hicache.storage import HEADER_BYTES
 from storage_backends.server import protocol as P
 from storage_backends.server.server import build_parser, parse_size
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 from tests.storage_backends.hicache_server_proc import (
     REPO_ROOT,
     HiCacheServerProc,
@@ -45,14 +44,6 @@ def _run_in_process(target: Callable[..., Any], *args: Any) -> None:
     p.start()
     p.join(timeout=300)
     assert p.exitcode == 0, f"{target.__name__} exited with {p.exitcode}"
-
-
-def _wait_until(cond: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
 
 
 class RawClient:
@@ -280,7 +271,7 @@ def test_pages_evicted_from_memory_are_read_back_from_disk(tmp_path: Path) -> No
         keys = [page_key("spill", i) for i in range(20)]
         recs = [page_record(c, "spill", i) for i in range(20)]
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 20
-        _wait_until(lambda: b.server_stats()["persist_pending"] == 0)
+        wait_until(lambda: b.server_stats()["persist_pending"] == 0)
         s = b.server_stats()
         assert (s["pages"], s["evictions"], s["persist_written"]) == (4, 16, 20)
         # Presence and reads fall through to disk; what is read comes back into memory.
@@ -356,7 +347,7 @@ def test_kill_9_during_a_write_burst_serves_nothing_corrupt(tmp_path: Path) -> N
     t.start()
     try:
         probe = srv.client()
-        _wait_until(lambda: probe.server_stats().get("persist_written", 0) >= 1000)
+        wait_until(lambda: probe.server_stats().get("persist_written", 0) >= 1000)
         probe.close()
         srv.kill()
         stop.set()
@@ -583,7 +574,7 @@ def test_dead_server_means_misses_then_recovery(tmp_path: Path) -> None:
         # A client made while the server is down is fine, and so is closing it.
         srv.client(timeout_ms=100).close()
         srv.start()  # same port, empty memory tier
-        _wait_until(lambda: b.batch_set(keys, recs) == [True] * 8)
+        wait_until(lambda: b.batch_set(keys, recs) == [True] * 8)
         assert b.batch_get(keys, out) == [True] * 8
         assert [bytes(o) for o in out] == [bytes(r) for r in recs]
         assert b.stats().stored_pages == 8

@@ -24,21 +24,15 @@ from tests.procs import free_port
 from tests.storage_backends.hicache_server_proc import (
     OldProtocolServer,
     RawClient,
-    codec,
     hicache_server,
-    page_key,
-    page_record,
+    pages,
+    raw_clients,
 )
 
 PAYLOAD = (256 << 10) - 128  # 256 KiB records
 REGION_ONLY = ["--shm-store-bytes", "0"]
 SHM_COUNTERS = ("tcp_page_bytes_in", "tcp_page_bytes_out", "shm_page_bytes_in",
                 "shm_page_bytes_out")
-
-
-def _pages(space: str, n: int) -> tuple[list[str], list[bytearray]]:
-    c = codec(PAYLOAD)
-    return [page_key(space, i) for i in range(n)], [page_record(c, space, i) for i in range(n)]
 
 
 def _roundtrip(b: Any, keys: list[str], recs: list[bytearray]) -> None:
@@ -65,10 +59,8 @@ def _tcp_only_roundtrip(b: Any, keys: list[str], recs: list[bytearray]) -> dict[
 
 @pytest.fixture
 def raw_conns() -> Iterator[list[RawClient]]:
-    made: list[RawClient] = []
-    yield made
-    for r in made:
-        r.close()
+    with raw_clients() as made:
+        yield made
 
 
 def test_plan_rounds_fit_the_region() -> None:
@@ -84,7 +76,7 @@ def test_plan_rounds_fit_the_region() -> None:
 
 
 def test_shm_client_moves_no_page_byte_over_tcp(tmp_path: Path) -> None:
-    keys, recs = _pages("shm", 40)  # 10 MiB: more than one 4 MiB request, pipelined
+    keys, recs = pages("shm", 40, PAYLOAD)  # 10 MiB: more than one 4 MiB request, pipelined
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client()
@@ -105,7 +97,7 @@ def test_shm_client_moves_no_page_byte_over_tcp(tmp_path: Path) -> None:
 
 
 def test_tcp_client_moves_no_page_byte_over_shm(tmp_path: Path) -> None:
-    keys, recs = _pages("tcp", 8)
+    keys, recs = pages("tcp", 8, PAYLOAD)
     with hicache_server(tmp_path) as srv:
         b = srv.client(shm=False)
         st = _tcp_only_roundtrip(b, keys, recs)
@@ -114,7 +106,7 @@ def test_tcp_client_moves_no_page_byte_over_shm(tmp_path: Path) -> None:
 
 
 def test_batch_larger_than_the_region_goes_in_rounds(tmp_path: Path) -> None:
-    keys, recs = _pages("rounds", 12)  # 3 MiB through a 1 MiB region: 3 rounds each way
+    keys, recs = pages("rounds", 12, PAYLOAD)  # 3 MiB through a 1 MiB region: 3 rounds each way
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client(shm_bytes=1 << 20, batch_bytes=512 << 10)
@@ -126,7 +118,7 @@ def test_batch_larger_than_the_region_goes_in_rounds(tmp_path: Path) -> None:
 
 
 def test_record_larger_than_the_region_goes_over_tcp(tmp_path: Path) -> None:
-    keys, recs = _pages("big", 3)
+    keys, recs = pages("big", 3, PAYLOAD)
     with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         b = srv.client(shm_bytes=64 << 10)  # smaller than one record
         _tcp_only_roundtrip(b, keys, recs)
@@ -136,7 +128,7 @@ def test_record_larger_than_the_region_goes_over_tcp(tmp_path: Path) -> None:
 def test_server_with_no_shm_refuses_and_the_client_falls_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys, recs = _pages("noshm", 4)
+    keys, recs = pages("noshm", 4, PAYLOAD)
     with hicache_server(tmp_path, args=["--no-shm"]) as srv:
         with caplog.at_level(logging.INFO, logger="storage_backends.hicache_conn"):
             b = srv.client()
@@ -168,7 +160,7 @@ def test_region_the_server_cannot_open_falls_back_to_tcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, region_cls: type[ClientRegion]
 ) -> None:
     monkeypatch.setattr(hicache_conn, "ClientRegion", region_cls)
-    keys, recs = _pages("fallback", 4)
+    keys, recs = pages("fallback", 4, PAYLOAD)
     with hicache_server(tmp_path) as srv:
         b = srv.client()
         assert b.shm_enabled is False
@@ -235,7 +227,7 @@ def test_slot_too_small_is_never_overflowed(tmp_path: Path, raw_conns: list[RawC
         assert bytes(region.buf[2000:3000]) == b"\xee" * 1000
         region.close()
     # The backend: a buffer smaller than the stored record is a miss (never a partial copy).
-    keys, recs = _pages("small", 1)
+    keys, recs = pages("small", 1, PAYLOAD)
     with hicache_server(tmp_path / "2") as srv:
         b = srv.client()
         assert b.batch_set(keys, [memoryview(recs[0])]) == [True]
@@ -291,7 +283,7 @@ def test_shrunk_region_is_detached_not_a_crash(tmp_path: Path, raw_conns: list[R
 
 
 def test_restarted_server_gets_a_fresh_region(tmp_path: Path) -> None:
-    keys, recs = _pages("restart", 4)
+    keys, recs = pages("restart", 4, PAYLOAD)
     with hicache_server(tmp_path, persist_dir=tmp_path / "pages", args=REGION_ONLY) as srv:
         b = srv.client()
         _roundtrip(b, keys, recs)
@@ -309,7 +301,7 @@ def test_restarted_server_gets_a_fresh_region(tmp_path: Path) -> None:
 
 def test_page_bytes_metric_by_path(tmp_path: Path) -> None:
     mport = free_port()
-    keys, recs = _pages("metric", 2)
+    keys, recs = pages("metric", 2, PAYLOAD)
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path, metrics_port=mport, args=REGION_ONLY) as srv:
         b = srv.client()
@@ -328,8 +320,8 @@ def test_page_bytes_metric_by_path(tmp_path: Path) -> None:
 def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
     """Pages stored from frames (kept as received zmq frames) are served into regions, and
     pages stored from a region are served as frames, bit for bit."""
-    keys_t, recs_t = _pages("from-tcp", 4)
-    keys_s, recs_s = _pages("from-shm", 4)
+    keys_t, recs_t = pages("from-tcp", 4, PAYLOAD)
+    keys_s, recs_s = pages("from-shm", 4, PAYLOAD)
     with hicache_server(tmp_path, args=REGION_ONLY) as srv:
         tcp, shm = srv.client(shm=False), srv.client()
         assert tcp.batch_set(keys_t, [memoryview(r) for r in recs_t]) == [True] * 4
@@ -348,7 +340,7 @@ def test_tcp_and_shm_clients_share_pages(tmp_path: Path) -> None:
 
 
 def test_new_client_on_a_version_1_server_uses_tcp(tmp_path: Path) -> None:
-    keys, recs = _pages("v1", 4)
+    keys, recs = pages("v1", 4, PAYLOAD)
     srv = OldProtocolServer(tmp_path, (1,)).start()
     try:
         b = srv.client()

@@ -26,16 +26,11 @@ from tests.storage_backends.hicache_server_proc import (
     churn_worker,
     codec,
     hicache_server,
-    page_key,
     page_record,
+    pages,
 )
 
 PAYLOAD = (256 << 10) - 128  # 256 KiB records: 65 blocks each (the 128-byte header spills)
-
-
-def _pages(space: str, n: int) -> tuple[list[str], list[bytearray]]:
-    c = codec(PAYLOAD)
-    return [page_key(space, i) for i in range(n)], [page_record(c, space, i) for i in range(n)]
 
 
 def _read_back(b: object, keys: list[str], recs: list[bytearray]) -> None:
@@ -181,7 +176,7 @@ def test_remove_stale_unlinks_only_dead_servers_arenas(tmp_path: Path) -> None:
 
 
 def test_reads_are_in_place_and_nothing_is_left_behind(tmp_path: Path) -> None:
-    keys, recs = _pages("inplace", 12)
+    keys, recs = pages("inplace", 12, PAYLOAD)
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path) as srv:
         b = srv.client()
@@ -219,7 +214,7 @@ def test_reads_are_in_place_and_nothing_is_left_behind(tmp_path: Path) -> None:
 def test_eviction_changes_the_generation_a_reader_checks(tmp_path: Path) -> None:
     """A reader holding a location of a record that is then evicted (its blocks reused) finds
     a new generation: the copy is refused, never served."""
-    keys, recs = _pages("evict", 6)
+    keys, recs = pages("evict", 6, PAYLOAD)
     with hicache_server(tmp_path, capacity="800KiB") as srv:  # 3 records fit, 4 do not
         b = srv.client()
         raw = RawClient(srv.url)
@@ -255,7 +250,7 @@ def test_eviction_changes_the_generation_a_reader_checks(tmp_path: Path) -> None
 
 
 def test_records_without_room_in_the_arena_are_read_through_the_region(tmp_path: Path) -> None:
-    keys, recs = _pages("full", 6)
+    keys, recs = pages("full", 6, PAYLOAD)
     total = sum(len(r) for r in recs)
     # An arena of 200 blocks holds 3 records of 65 blocks; the other 3 stay in the heap. (A
     # connection may reserve a quarter of it, 50 blocks: less than a record, so the client
@@ -277,7 +272,7 @@ def test_records_without_room_in_the_arena_are_read_through_the_region(tmp_path:
 
 
 def test_pages_from_tcp_move_into_the_arena_when_read(tmp_path: Path) -> None:
-    keys, recs = _pages("promote", 4)
+    keys, recs = pages("promote", 4, PAYLOAD)
     with hicache_server(tmp_path) as srv:
         tcp, shm = srv.client(shm=False), srv.client()
         assert tcp.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 4
@@ -292,7 +287,7 @@ def test_pages_from_tcp_move_into_the_arena_when_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("second_store", [True, False])
 def test_a_restarted_server_is_followed(tmp_path: Path, second_store: bool) -> None:
-    keys, recs = _pages("restart", 4)
+    keys, recs = pages("restart", 4, PAYLOAD)
     with hicache_server(tmp_path, persist_dir=tmp_path / "pages") as srv:
         b = srv.client()
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 4
@@ -320,7 +315,7 @@ def test_store_requests_on_a_server_without_a_store(tmp_path: Path) -> None:
         finally:
             raw.close()
         b = srv.client()
-        keys, recs = _pages("nostore", 2)
+        keys, recs = pages("nostore", 2, PAYLOAD)
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * 2
         _read_back(b, keys, recs)
         assert (b.arena.reads, b.arena.fallbacks) == (0, 0)
@@ -330,7 +325,7 @@ def test_store_requests_on_a_server_without_a_store(tmp_path: Path) -> None:
 
 def test_store_bytes_metric(tmp_path: Path) -> None:
     mport = free_port()
-    keys, recs = _pages("metric", 2)
+    keys, recs = pages("metric", 2, PAYLOAD)
     total = sum(len(r) for r in recs)
     with hicache_server(tmp_path, metrics_port=mport) as srv:
         b = srv.client()

@@ -18,10 +18,8 @@ from storage_backends.server.store import PageStore
 from tests.storage_backends.hicache_server_proc import (
     OldProtocolServer,
     RawClient,
-    codec,
     hicache_server,
-    page_key,
-    page_record,
+    pages,
 )
 
 PAYLOAD = (64 << 10) - 128  # 64 KiB records: 16 blocks each
@@ -127,9 +125,7 @@ def _commit(raw: RawClient, arena_id: int, keys: list[str], offsets: list[int],
 
 
 def test_reserve_write_commit(tmp_path: Path) -> None:
-    c = codec(PAYLOAD)
-    keys = [page_key("w", i) for i in range(5)]
-    recs = [page_record(c, "w", i) for i in range(5)]
+    keys, recs = pages("w", 5, PAYLOAD)
     n = len(recs[0])
     with hicache_server(tmp_path) as srv:
         a, other = RawClient(srv.url), RawClient(srv.url)
@@ -179,8 +175,7 @@ def test_a_slot_committed_unwritten_is_never_its_old_record(tmp_path: Path) -> N
     """A (buggy) client that commits a slot it did not write must not resurrect the record
     that had those blocks before: every slot handed out starts cleared, so the record fails its
     check (a counted miss)."""
-    c = codec(PAYLOAD)
-    key, rec = page_key("unwritten", 0), page_record(c, "unwritten", 0)
+    (key,), (rec,) = pages("unwritten", 1, PAYLOAD)
     with hicache_server(tmp_path) as srv:
         raw, b = RawClient(srv.url), srv.client()
         try:
@@ -222,9 +217,7 @@ def test_a_detached_connection_gives_its_reservations_back(tmp_path: Path) -> No
 def test_the_client_reserves_once_and_then_with_each_commit(tmp_path: Path) -> None:
     """Batches of alike records: the first batch reserves (a round trip), every later one uses
     the room its predecessor's commit reserved; the records are all written in place."""
-    c = codec(PAYLOAD)
-    keys = [page_key("ahead", i) for i in range(12)]
-    recs = [page_record(c, "ahead", i) for i in range(12)]
+    keys, recs = pages("ahead", 12, PAYLOAD)
     with hicache_server(tmp_path) as srv:
         b = srv.client()
         assert b.batch_set(keys[:4], [memoryview(r) for r in recs[:4]]) == [True] * 4
@@ -248,9 +241,7 @@ def test_the_client_reserves_once_and_then_with_each_commit(tmp_path: Path) -> N
 
 
 def test_without_a_store_sets_go_through_the_region(tmp_path: Path) -> None:
-    c = codec(PAYLOAD)
-    keys = [page_key("nostore", i) for i in range(4)]
-    recs = [page_record(c, "nostore", i) for i in range(4)]
+    keys, recs = pages("nostore", 4, PAYLOAD)
     with hicache_server(tmp_path, args=["--shm-store-bytes", "0"]) as srv:
         raw = RawClient(srv.url)
         try:
@@ -269,9 +260,7 @@ def test_without_a_store_sets_go_through_the_region(tmp_path: Path) -> None:
 
 
 def test_new_client_on_a_version_3_server_writes_through_the_region(tmp_path: Path) -> None:
-    c = codec(PAYLOAD)
-    keys = [page_key("v3", i) for i in range(6)]
-    recs = [page_record(c, "v3", i) for i in range(6)]
+    keys, recs = pages("v3", 6, PAYLOAD)
     srv = OldProtocolServer(tmp_path, (1, 2, 3)).start()
     try:
         b = srv.client()
