@@ -14,14 +14,16 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.procs import wait_until  # noqa: E402
 
 PLUGIN = "hicache"
 ADAPTER = {
@@ -38,6 +40,10 @@ def lmcache_skip_reason() -> str | None:
     except ImportError as e:
         return f"lmcache is not installed ({e}): pip install 'hicache[lmcache]'"
     return None
+
+
+skip_without_lmcache = pytest.mark.skipif(lmcache_skip_reason() is not None,
+                                          reason=str(lmcache_skip_reason()))
 
 
 def settings(url: str, **extra: Any) -> dict[str, Any]:
@@ -145,14 +151,6 @@ def hicache_connector(eng: Any) -> Any:
     return remote_backend(eng).connection.getWrappedConnector()
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
 def wait_puts(eng: Any, chunks: int) -> None:
     """LMCache stores to a remote backend asynchronously: wait until the connector has settled
     `chunks` chunks in all (stored, not stored, refused or skipped)."""
@@ -163,7 +161,7 @@ def wait_puts(eng: Any, chunks: int) -> None:
         return sum(st[k] for k in ("chunks_stored", "chunks_not_stored", "chunks_refused",
                                    "chunks_skipped_mla")) >= chunks
 
-    wait_until(settled)
+    wait_until(settled, timeout=20.0, interval=0.02, what="settled puts")
 
 
 class ConnectorHarness:

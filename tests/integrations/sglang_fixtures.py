@@ -17,14 +17,14 @@ from tests.integrations.sglang_env import (
     mla_host_pool,
     sglang_skip_reason,
 )
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc, hicache_server
 
 SKIP = sglang_skip_reason()
 PLUGIN = {"backend_name": "hicache", "module_path": "integrations.sglang",
           "class_name": "HiCacheServerStorage"}
 
 __all__ = ["PLUGIN", "SKIP", "fill", "make_plugin", "mha_host_pool", "mla_host_pool",
-           "page_bytes", "page_keys", "server_fixture", "storage_config"]
+           "page_bytes", "page_keys", "plugin", "server_fixture", "storage_config"]
 
 
 def storage_config(url: str, *, model: str | None = "org/model", tp_rank: int = 0,
@@ -48,6 +48,11 @@ def make_plugin(cfg: Any, host: Any) -> Any:
     backend.register_mem_pool_host(host)
     backend.on_host_pools_registered()
     return backend
+
+
+def plugin(host: Any, url: str, **cfg: Any) -> Any:
+    """The plugin SGLang attaches for `storage_config(url, **cfg)`, on `host`."""
+    return make_plugin(storage_config(url, **cfg), host)
 
 
 def fill(host: Any, n_pages: int, seed: int) -> tuple[torch.Tensor, list[bytes]]:
@@ -79,12 +84,8 @@ def page_keys(n: int, seed: int, page_size: int = 16) -> list[str]:
 
 
 def server_fixture(tmp: Path, **kw: Any) -> Iterator[HiCacheServerProc]:
-    srv = HiCacheServerProc(tmp, capacity="256MiB", **kw)
-    srv.start()
-    try:
+    with hicache_server(tmp, capacity="256MiB", **kw) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 skip_without_sglang = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))

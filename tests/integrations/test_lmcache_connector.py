@@ -17,28 +17,21 @@ import torch
 from hicache.errors import ConfigError
 from tests.integrations.lmcache_fixtures import (
     ConnectorHarness,
-    lmcache_skip_reason,
     metadata,
     same_bits,
+    skip_without_lmcache,
 )
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc, hicache_server
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lmcache.md"
 
-pytestmark = [
-    pytest.mark.lmcache,
-    pytest.mark.skipif(lmcache_skip_reason() is not None, reason=str(lmcache_skip_reason())),
-]
+pytestmark = [pytest.mark.lmcache, skip_without_lmcache]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HiCacheServerProc]:
-    srv = HiCacheServerProc(Path(tmp_path_factory.mktemp("hicache-conn")), capacity="256MiB")
-    srv.start()
-    try:
+    with hicache_server(tmp_path_factory.mktemp("hicache-conn"), capacity="256MiB") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def hc_url(srv: HiCacheServerProc) -> str:

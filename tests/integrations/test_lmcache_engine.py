@@ -12,7 +12,6 @@ cache, so every hit it gets came from the server.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,18 +24,15 @@ from tests.integrations.lmcache_fixtures import (
     engine_config,
     hicache_connector,
     kv_cache,
-    lmcache_skip_reason,
     metadata,
     same_bits,
+    skip_without_lmcache,
     wait_puts,
-    wait_until,
 )
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+from tests.procs import wait_until
+from tests.storage_backends.hicache_server_proc import hicache_server
 
-pytestmark = [
-    pytest.mark.lmcache,
-    pytest.mark.skipif(lmcache_skip_reason() is not None, reason=str(lmcache_skip_reason())),
-]
+pytestmark = [pytest.mark.lmcache, skip_without_lmcache]
 
 TOKENS = 2 * CHUNK + 8  # two full chunks and a partial one
 CHUNKS = 3
@@ -44,12 +40,8 @@ CHUNKS = 3
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    srv = HiCacheServerProc(Path(tmp_path_factory.mktemp("hicache-lmcache")), capacity="256MiB")
-    srv.start()
-    try:
+    with hicache_server(tmp_path_factory.mktemp("hicache-lmcache"), capacity="256MiB") as srv:
         yield f"hicache://127.0.0.1:{srv.port}"
-    finally:
-        srv.stop()
 
 
 def prompt(first: int) -> torch.Tensor:
@@ -156,7 +148,7 @@ def test_legacy_remote_url(url: str) -> None:
         assert backends[f"RemoteBackend-{PLUGIN}"].connection is None
         legacy = backends["RemoteBackend"].connection.getWrappedConnector()
         writer.store(tokens)
-        wait_until(lambda: legacy.stats()["chunks_stored"] == CHUNKS)
+        wait_until(lambda: legacy.stats()["chunks_stored"] == CHUNKS, timeout=20.0, interval=0.02)
     out = torch.zeros_like(kv)
     with engine(config(), md, out) as reader:
         assert bool(reader.retrieve(tokens).all()) and same_bits(out, kv)

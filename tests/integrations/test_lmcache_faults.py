@@ -16,16 +16,13 @@ from hicache.storage import StorageConfig
 from storage_backends.hicache_backend import HiCacheServerBackend
 from tests.integrations.lmcache_fixtures import (
     ConnectorHarness,
-    lmcache_skip_reason,
     same_bits,
-    wait_until,
+    skip_without_lmcache,
 )
-from tests.storage_backends.hicache_server_proc import HiCacheServerProc
+from tests.procs import wait_until
+from tests.storage_backends.hicache_server_proc import HiCacheServerProc, hicache_server
 
-pytestmark = [
-    pytest.mark.lmcache,
-    pytest.mark.skipif(lmcache_skip_reason() is not None, reason=str(lmcache_skip_reason())),
-]
+pytestmark = [pytest.mark.lmcache, skip_without_lmcache]
 
 COUNTS = ("errors", "corrupt_pages", "foreign_records", "chunks_hit", "chunks_not_stored",
           "failed_calls")
@@ -38,12 +35,8 @@ def counts(conn: Any) -> tuple[int, ...]:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
-    srv = HiCacheServerProc(tmp_path, capacity="128MiB", auth_token="right-token")
-    srv.start()
-    try:
+    with hicache_server(tmp_path, capacity="128MiB", auth_token="right-token") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def harness_for(srv: HiCacheServerProc, **extra: Any) -> ConnectorHarness:
@@ -78,7 +71,7 @@ def test_dead_server_is_a_counted_miss_and_recovery_is_automatic(
         assert h.run(conn.ping()) == 1
 
         server.start()  # same port, empty memory tier; no reconnect step anywhere
-        wait_until(lambda: h.run(conn.ping()) == 0)
+        wait_until(lambda: h.run(conn.ping()) == 0, timeout=20.0, interval=0.02)
         h.put(conn, [h.key(3)], [obj])
         h.assert_holds(conn, h.key(3), obj.tensor)
         obj.ref_count_down()

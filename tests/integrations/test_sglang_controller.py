@@ -154,55 +154,54 @@ def _prefetch(e: Engine, tokens: list[int]) -> tuple[Any, int]:
             return host_indices, done
 
 
-def test_draft_pool_round_trip_through_sglangs_controller(
-    server: HiCacheServerProc, sglang_context: None
-) -> None:
+@pytest.fixture
+def engines(server: HiCacheServerProc, sglang_context: None) -> Iterator[tuple[Engine, Engine]]:
+    """A writer and a reader engine on the one server, detached after the test."""
     writer, reader = Engine(server.url), Engine(server.url)
     try:
-        tokens = _tokens(5, seed=3)
-        hashes, kv_pages, draft_pages = _backup(writer, tokens)
-        host_indices, done = _prefetch(reader, tokens)
-        assert done == 5 * PAGE
-        assert [page_bytes(reader.kv, host_indices, p) for p in range(5)] == kv_pages
-        assert [page_bytes(reader.draft, host_indices, p) for p in range(5)] == draft_pages
-        s = reader.plugin.stats()
-        assert (s["get_hits"], s["corrupt_pages"], s["plugin_errors"]) == (10, 0, 0)
-        # Draft pages are records of their own namespace: the KV pool's keys do not find them.
-        draft_ns = reader.plugin.pools["draft"].namespace
-        assert draft_ns != reader.plugin.namespace
-        assert reader.plugin.backend.batch_exists(reader.plugin._keys(hashes)) == 5
+        yield writer, reader
     finally:
         writer.close()
         reader.close()
 
 
-def test_a_missing_draft_page_shortens_the_hit(
-    server: HiCacheServerProc, sglang_context: None
-) -> None:
-    writer, reader = Engine(server.url), Engine(server.url)
-    try:
-        tokens = _tokens(6, seed=4)
-        hashes, kv_pages, draft_pages = _backup(writer, tokens)
-        drafts = writer.plugin.pools["draft"]
-        writer.plugin.backend.delete(writer.plugin._keys(hashes[4:5], drafts))  # page 4's draft
-        res = reader.plugin.batch_exists_v2(hashes, reader.draft_transfer())
-        assert (res.kv_hit_pages, dict(res.extra_pool_hit_pages)) == (4, {"kv": 6, "draft": 4})
-        host_indices, done = _prefetch(reader, tokens)
-        assert done == 4 * PAGE  # KV holds 6 pages, but a request needs both pools
-        assert [page_bytes(reader.draft, host_indices, p) for p in range(4)] == draft_pages[:4]
-        assert [page_bytes(reader.kv, host_indices, p) for p in range(4)] == kv_pages[:4]
-    finally:
-        writer.close()
-        reader.close()
+def test_draft_pool_round_trip_through_sglangs_controller(engines: tuple[Engine, Engine]) -> None:
+    writer, reader = engines
+    tokens = _tokens(5, seed=3)
+    hashes, kv_pages, draft_pages = _backup(writer, tokens)
+    host_indices, done = _prefetch(reader, tokens)
+    assert done == 5 * PAGE
+    assert [page_bytes(reader.kv, host_indices, p) for p in range(5)] == kv_pages
+    assert [page_bytes(reader.draft, host_indices, p) for p in range(5)] == draft_pages
+    s = reader.plugin.stats()
+    assert (s["get_hits"], s["corrupt_pages"], s["plugin_errors"]) == (10, 0, 0)
+    # Draft pages are records of their own namespace: the KV pool's keys do not find them.
+    draft_ns = reader.plugin.pools["draft"].namespace
+    assert draft_ns != reader.plugin.namespace
+    assert reader.plugin.backend.batch_exists(reader.plugin._keys(hashes)) == 5
+
+
+def test_a_missing_draft_page_shortens_the_hit(engines: tuple[Engine, Engine]) -> None:
+    writer, reader = engines
+    tokens = _tokens(6, seed=4)
+    hashes, kv_pages, draft_pages = _backup(writer, tokens)
+    drafts = writer.plugin.pools["draft"]
+    writer.plugin.backend.delete(writer.plugin._keys(hashes[4:5], drafts))  # page 4's draft
+    res = reader.plugin.batch_exists_v2(hashes, reader.draft_transfer())
+    assert (res.kv_hit_pages, dict(res.extra_pool_hit_pages)) == (4, {"kv": 6, "draft": 4})
+    host_indices, done = _prefetch(reader, tokens)
+    assert done == 4 * PAGE  # KV holds 6 pages, but a request needs both pools
+    assert [page_bytes(reader.draft, host_indices, p) for p in range(4)] == draft_pages[:4]
+    assert [page_bytes(reader.kv, host_indices, p) for p in range(4)] == kv_pages[:4]
 
 
 def test_clear_removes_this_engines_pools_only(
     server: HiCacheServerProc, sglang_context: None, tmp_path: Path
 ) -> None:
-    from tests.integrations.sglang_fixtures import make_plugin, page_keys, storage_config
+    from tests.integrations.sglang_fixtures import page_keys, plugin
 
     e = Engine(server.url)
-    other = make_plugin(storage_config(server.url, model="org/other-model"), mha_host_pool())
+    other = plugin(mha_host_pool(), server.url, model="org/other-model")
     try:
         hashes, _, _ = _backup(e, _tokens(3, seed=5))
         keys = page_keys(3, seed=6)

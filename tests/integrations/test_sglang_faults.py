@@ -14,29 +14,20 @@ import torch
 
 from hicache.codec import PageCodec
 from hicache.errors import ConfigError
-from tests.integrations.sglang_fixtures import (
-    fill,
-    make_plugin,
-    mha_host_pool,
-    page_bytes,
-    page_keys,
-    server_fixture,
-    skip_without_sglang,
-    storage_config,
-)
+from tests.integrations import sglang_fixtures as sg
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient
 
-pytestmark = [pytest.mark.sglang, skip_without_sglang]
+pytestmark = [pytest.mark.sglang, sg.skip_without_sglang]
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
-    yield from server_fixture(tmp_path)
+    yield from sg.server_fixture(tmp_path)
 
 
 def _sentinel(host: Any, n: int) -> tuple[torch.Tensor, list[bytes]]:
     """`n` host pages filled with a known pattern, to show a miss leaves them alone."""
-    return fill(host, n, seed=4242)
+    return sg.fill(host, n, seed=4242)
 
 
 def _counts(p: Any) -> tuple[int, int, int, int]:
@@ -45,18 +36,18 @@ def _counts(p: Any) -> tuple[int, int, int, int]:
 
 
 def test_server_away_then_back(server: HiCacheServerProc) -> None:
-    host = mha_host_pool(pages=24)
-    p = make_plugin(storage_config(server.url, model="away", timeout_ms=500), host)
+    host = sg.mha_host_pool(pages=24)
+    p = sg.plugin(host, server.url, model="away", timeout_ms=500)
     try:
-        keys = page_keys(2, seed=30)
-        idx, want = fill(host, 2, seed=31)
+        keys = sg.page_keys(2, seed=30)
+        idx, want = sg.fill(host, 2, seed=31)
         assert p.batch_set_v1(keys, idx) == [True, True]
         server.kill()
         assert p.batch_exists(keys) == 0
         assert p.stats()["errors"] == 1
         dst, before = _sentinel(host, 2)
         assert p.batch_get_v1(keys, dst) == [False, False]
-        assert [page_bytes(host, dst, i) for i in range(2)] == before
+        assert [sg.page_bytes(host, dst, i) for i in range(2)] == before
         assert p.batch_set_v1(keys, idx) == [False, False]
         assert p.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]) == [None, None]
         assert p.batch_set(keys, [host.get_data_page(int(idx[0]))] * 2) is False
@@ -71,18 +62,18 @@ def test_server_away_then_back(server: HiCacheServerProc) -> None:
             time.sleep(0.1)
         dst = host.alloc(2 * 16)
         assert p.batch_get_v1(keys, dst) == [True, True]
-        assert [page_bytes(host, dst, i) for i in range(2)] == want
+        assert [sg.page_bytes(host, dst, i) for i in range(2)] == want
     finally:
         p.close()
 
 
 def test_server_not_up_at_start(tmp_path: Path) -> None:
     srv = HiCacheServerProc(tmp_path, capacity="64MiB")
-    host = mha_host_pool()
-    p = make_plugin(storage_config(srv.url, model="late", timeout_ms=300), host)
+    host = sg.mha_host_pool()
+    p = sg.plugin(host, srv.url, model="late", timeout_ms=300)
     try:
-        keys = page_keys(1, seed=32)
-        idx, want = fill(host, 1, seed=33)
+        keys = sg.page_keys(1, seed=32)
+        idx, want = sg.fill(host, 1, seed=33)
         assert p.batch_set_v1(keys, idx) == [False]
         assert p.stats()["errors"] == 1
         srv.start()
@@ -92,7 +83,7 @@ def test_server_not_up_at_start(tmp_path: Path) -> None:
             time.sleep(0.1)
         dst = host.alloc(16)
         assert p.batch_get_v1(keys, dst) == [True]
-        assert page_bytes(host, dst, 0) == want[0]
+        assert sg.page_bytes(host, dst, 0) == want[0]
     finally:
         p.close()
         srv.stop()
@@ -101,12 +92,12 @@ def test_server_not_up_at_start(tmp_path: Path) -> None:
 def test_wrong_token(tmp_path: Path) -> None:
     srv = HiCacheServerProc(tmp_path, capacity="64MiB", auth_token="s3cret").start()
     try:
-        host = mha_host_pool()
+        host = sg.mha_host_pool()
         with pytest.raises(ConfigError, match="refused"):  # a misconfigured engine: at start-up
-            make_plugin(storage_config(srv.url, model="tok", auth_token="wrong"), host)
-        p = make_plugin(storage_config(srv.url, model="tok", auth_token="s3cret"), host)
-        keys = page_keys(2, seed=34)
-        idx, _ = fill(host, 2, seed=35)
+            sg.plugin(host, srv.url, model="tok", auth_token="wrong")
+        p = sg.plugin(host, srv.url, model="tok", auth_token="s3cret")
+        keys = sg.page_keys(2, seed=34)
+        idx, _ = sg.fill(host, 2, seed=35)
         assert p.batch_set_v1(keys, idx) == [True, True]
         srv.auth_token = "rotated"  # the server comes back with another token
         srv.restart()
@@ -119,7 +110,7 @@ def test_wrong_token(tmp_path: Path) -> None:
         assert p.batch_exists(keys) == 0
         dst, before = _sentinel(host, 2)
         assert p.batch_get_v1(keys, dst) == [False, False]
-        assert [page_bytes(host, dst, i) for i in range(2)] == before
+        assert [sg.page_bytes(host, dst, i) for i in range(2)] == before
         assert p.batch_set_v1(keys, idx) == [False, False]
         assert (p.stats()["errors"], p.stats()["plugin_errors"]) == (e0 + 3, 0)
         p.close()
@@ -155,11 +146,11 @@ def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str, s
     whose header is right but whose payload fails the checksum is found out after its copy,
     so the slot then holds those bytes, answered False (SGLang frees a slot answered False
     without reading it). Over TCP every record is checked before it reaches the slot."""
-    host = mha_host_pool(pages=24)
-    p = make_plugin(storage_config(server.url, model=f"bad-{shm}", shm=shm), host)
+    host = sg.mha_host_pool(pages=24)
+    p = sg.plugin(host, server.url, model=f"bad-{shm}", shm=shm)
     try:
-        keys = page_keys(2, seed=36)
-        idx, want = fill(host, 2, seed=37)
+        keys = sg.page_keys(2, seed=36)
+        idx, want = sg.fill(host, 2, seed=37)
         assert p.batch_set_v1(keys, idx) == [True, True]
         sk = p._keys(keys)
         rec = bytearray(_stored(server, sk[0]))
@@ -182,10 +173,10 @@ def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str, s
         dst, before = _sentinel(host, 2)
         assert p.batch_get_v1(keys, dst) == [False, True]
         if fault == "bit_flip" and shm:
-            assert page_bytes(host, dst, 0) == bytes(rec[128:])  # copied, then refused
+            assert sg.page_bytes(host, dst, 0) == bytes(rec[128:])  # copied, then refused
         else:
-            assert page_bytes(host, dst, 0) == before[0]  # never copied into the slot
-        assert page_bytes(host, dst, 1) == want[1]
+            assert sg.page_bytes(host, dst, 0) == before[0]  # never copied into the slot
+        assert sg.page_bytes(host, dst, 1) == want[1]
         # (a record of another format passes the client's checks and is refused by the
         # plugin's `accept`: corrupt, never a hit)
         assert _counts(p) == (0, 1, 0, 1)
@@ -199,16 +190,16 @@ def test_bad_records_are_counted_misses(server: HiCacheServerProc, fault: str, s
 def test_bad_calls_are_misses_not_exceptions(server: HiCacheServerProc) -> None:
     from tests.integrations.sglang_env import load_sglang_pools
 
-    host = mha_host_pool()
-    cfg = storage_config(server.url, model="calls")
+    host = sg.mha_host_pool()
+    cfg = sg.storage_config(server.url, model="calls")
     unregistered = load_sglang_pools().StorageBackendFactory.create_backend("dynamic", cfg, host)
-    assert unregistered.batch_exists(page_keys(1, seed=38)) == 0
-    assert unregistered.batch_get_v1(page_keys(1, seed=38), host.alloc(16)) == [False]
+    assert unregistered.batch_exists(sg.page_keys(1, seed=38)) == 0
+    assert unregistered.batch_get_v1(sg.page_keys(1, seed=38), host.alloc(16)) == [False]
     assert unregistered.stats() == {"plugin_errors": 2, "skipped_sets": 0}
-    p = make_plugin(cfg, host)
+    p = sg.make_plugin(cfg, host)
     try:
-        keys = page_keys(2, seed=39)
-        idx, _ = fill(host, 2, seed=40)
+        keys = sg.page_keys(2, seed=39)
+        idx, _ = sg.fill(host, 2, seed=40)
         assert p.batch_set_v1(keys, idx[:17]) == [False, False]  # not 2 pages of slots
         assert p.batch_get_v1(keys, idx[:16]) == [False, False]
         assert p.batch_get(keys, [host.get_dummy_flat_data_page()]) == [None, None]

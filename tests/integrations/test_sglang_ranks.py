@@ -11,25 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integrations.sglang_fixtures import (
-    fill,
-    make_plugin,
-    mha_host_pool,
-    mla_host_pool,
-    page_bytes,
-    page_keys,
-    server_fixture,
-    skip_without_sglang,
-    storage_config,
-)
+from tests.integrations import sglang_fixtures as sg
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 
-pytestmark = [pytest.mark.sglang, skip_without_sglang]
+pytestmark = [pytest.mark.sglang, sg.skip_without_sglang]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HiCacheServerProc]:
-    yield from server_fixture(Path(tmp_path_factory.mktemp("sglang-ranks")))
+    yield from sg.server_fixture(Path(tmp_path_factory.mktemp("sglang-ranks")))
 
 
 def _close(*plugins: Any) -> None:
@@ -40,25 +30,24 @@ def _close(*plugins: Any) -> None:
 def test_mha_ranks_keep_their_own_pages(server: HiCacheServerProc) -> None:
     """TP ranks of one MHA model store their head shards under the same SGLang keys: each reads
     back its own shard, never another rank's."""
-    hosts = [mha_host_pool(), mha_host_pool()]
-    ranks = [make_plugin(storage_config(server.url, model="tp-mha", tp_rank=r, tp_size=2), h)
+    hosts = [sg.mha_host_pool(), sg.mha_host_pool()]
+    ranks = [sg.plugin(h, server.url, model="tp-mha", tp_rank=r, tp_size=2)
              for r, h in enumerate(hosts)]
     try:
-        keys = page_keys(3, seed=20)
+        keys = sg.page_keys(3, seed=20)
         wants = []
         for r, (p, h) in enumerate(zip(ranks, hosts)):
-            idx, want = fill(h, 3, seed=100 + r)
+            idx, want = sg.fill(h, 3, seed=100 + r)
             assert p.batch_set_v1(keys, idx) == [True] * 3
             wants.append(want)
         assert wants[0] != wants[1]
         for p, h, want in zip(ranks, hosts, wants):
             dst = h.alloc(3 * 16)
             assert p.batch_get_v1(keys, dst) == [True] * 3
-            assert [page_bytes(h, dst, i) for i in range(3)] == want
+            assert [sg.page_bytes(h, dst, i) for i in range(3)] == want
         assert ranks[0].namespace != ranks[1].namespace
         # a rank of a 4-way deployment holds other heads: it finds nothing of the 2-way one
-        other = make_plugin(storage_config(server.url, model="tp-mha", tp_rank=0, tp_size=4),
-                            mha_host_pool())
+        other = sg.plugin(sg.mha_host_pool(), server.url, model="tp-mha", tp_rank=0, tp_size=4)
         assert other.batch_exists(keys) == 0
         assert other.stats()["errors"] == 0
         other.close()
@@ -68,10 +57,10 @@ def test_mha_ranks_keep_their_own_pages(server: HiCacheServerProc) -> None:
 
 @pytest.mark.parametrize("change", ["model", "dtype", "layout", "salt", "geometry"])
 def test_another_universe_never_reads_these_pages(server: HiCacheServerProc, change: str) -> None:
-    host = mha_host_pool()
-    writer = make_plugin(storage_config(server.url, model="universe"), host)
-    keys = page_keys(2, seed=21)
-    idx, _ = fill(host, 2, seed=22)
+    host = sg.mha_host_pool()
+    writer = sg.plugin(host, server.url, model="universe")
+    keys = sg.page_keys(2, seed=21)
+    idx, _ = sg.fill(host, 2, seed=22)
     assert writer.batch_set_v1(keys, idx) == [True, True]
     kw: dict[str, Any] = {"model": "universe"}
     pool_kw: dict[str, Any] = {}
@@ -85,8 +74,8 @@ def test_another_universe_never_reads_these_pages(server: HiCacheServerProc, cha
         kw["namespace_salt"] = "tenant-b"
     else:
         pool_kw["heads"] = 4  # same model name, other page shape
-    reader_host = mha_host_pool(**pool_kw)
-    reader = make_plugin(storage_config(server.url, **kw), reader_host)
+    reader_host = sg.mha_host_pool(**pool_kw)
+    reader = sg.plugin(reader_host, server.url, **kw)
     try:
         assert reader.namespace != writer.namespace
         assert reader.batch_exists(keys) == 0
@@ -99,16 +88,16 @@ def test_another_universe_never_reads_these_pages(server: HiCacheServerProc, cha
 
 def test_model_id_names_the_model_across_paths(server: HiCacheServerProc) -> None:
     """Engines that load one model from different paths share pages with one `model_id`."""
-    h1, h2 = mha_host_pool(), mha_host_pool()
-    a = make_plugin(storage_config(server.url, model="/mnt/a/llama", model_id="llama-3-8b"), h1)
-    b = make_plugin(storage_config(server.url, model="/mnt/b/llama", model_id="llama-3-8b"), h2)
+    h1, h2 = sg.mha_host_pool(), sg.mha_host_pool()
+    a = sg.plugin(h1, server.url, model="/mnt/a/llama", model_id="llama-3-8b")
+    b = sg.plugin(h2, server.url, model="/mnt/b/llama", model_id="llama-3-8b")
     try:
-        keys = page_keys(2, seed=23)
-        idx, want = fill(h1, 2, seed=24)
+        keys = sg.page_keys(2, seed=23)
+        idx, want = sg.fill(h1, 2, seed=24)
         assert a.batch_set_v1(keys, idx) == [True, True]
         dst = h2.alloc(2 * 16)
         assert b.batch_get_v1(keys, dst) == [True, True]
-        assert [page_bytes(h2, dst, i) for i in range(2)] == want
+        assert [sg.page_bytes(h2, dst, i) for i in range(2)] == want
     finally:
         _close(a, b)
 
@@ -117,14 +106,14 @@ def test_model_id_names_the_model_across_paths(server: HiCacheServerProc) -> Non
 def test_mla_one_writer_every_rank_reads(server: HiCacheServerProc, layout: str) -> None:
     """MLA KV is the same on every TP rank: rank 0 stores it, ranks 1..3 answer their sets
     without writing, and all four read rank 0's pages."""
-    hosts = [mla_host_pool(layout=layout) for _ in range(4)]
+    hosts = [sg.mla_host_pool(layout=layout) for _ in range(4)]
     model = f"mla-{layout}"
-    ranks = [make_plugin(storage_config(server.url, model=model, mla=True, tp_rank=r, tp_size=4),
-                         h) for r, h in enumerate(hosts)]
+    ranks = [sg.plugin(h, server.url, model=model, mla=True, tp_rank=r, tp_size=4)
+             for r, h in enumerate(hosts)]
     try:
         assert len({p.namespace for p in ranks}) == 1
-        keys = page_keys(3, seed=25)
-        filled = [fill(h, 3, seed=200 + r) for r, h in enumerate(hosts)]
+        keys = sg.page_keys(3, seed=25)
+        filled = [sg.fill(h, 3, seed=200 + r) for r, h in enumerate(hosts)]
         # the readers first: nothing is written by them
         for p, (idx, _) in zip(ranks[1:], filled[1:]):
             assert p.batch_set_v1(keys, idx) == [True] * 3
@@ -137,12 +126,12 @@ def test_mla_one_writer_every_rank_reads(server: HiCacheServerProc, layout: str)
             dst = h.alloc(3 * 16)
             assert p.batch_exists(keys) == 3
             assert p.batch_get_v1(keys, dst) == [True] * 3
-            assert [page_bytes(h, dst, i) for i in range(3)] == want
+            assert [sg.page_bytes(h, dst, i) for i in range(3)] == want
         assert [p.stats()["skipped_sets"] for p in ranks] == [0, 6, 6, 6]
         assert [p.stats()["set_pages"] for p in ranks] == [3, 0, 0, 0]
         # an MLA deployment of another TP width holds the same KV: it reads these pages
-        wide = make_plugin(storage_config(server.url, model=model, mla=True, tp_rank=5,
-                                          tp_size=8), mla_host_pool(layout=layout))
+        wide = sg.plugin(sg.mla_host_pool(layout=layout), server.url, model=model, mla=True,
+                         tp_rank=5, tp_size=8)
         assert wide.batch_exists(keys) == 3
         wide.close()
     finally:
@@ -150,12 +139,12 @@ def test_mla_one_writer_every_rank_reads(server: HiCacheServerProc, layout: str)
 
 
 def test_mla_and_mha_pages_never_mix(server: HiCacheServerProc) -> None:
-    mha_host, mla_host = mha_host_pool(), mla_host_pool()
-    a = make_plugin(storage_config(server.url, model="mix"), mha_host)
-    b = make_plugin(storage_config(server.url, model="mix", mla=True), mla_host)
+    mha_host, mla_host = sg.mha_host_pool(), sg.mla_host_pool()
+    a = sg.plugin(mha_host, server.url, model="mix")
+    b = sg.plugin(mla_host, server.url, model="mix", mla=True)
     try:
-        keys = page_keys(2, seed=26)
-        assert a.batch_set_v1(keys, fill(mha_host, 2, seed=27)[0]) == [True, True]
+        keys = sg.page_keys(2, seed=26)
+        assert a.batch_set_v1(keys, sg.fill(mha_host, 2, seed=27)[0]) == [True, True]
         assert b.batch_exists(keys) == 0
     finally:
         _close(a, b)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.integrations.sglang_fixtures import (
     mla_host_pool,
     page_bytes,
     page_keys,
+    plugin,
     server_fixture,
     skip_without_sglang,
     storage_config,
@@ -32,13 +34,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HiCacheServerPr
     yield from server_fixture(Path(tmp_path_factory.mktemp("sglang-storage")))
 
 
+def _round_trip(b: Any, host: Any, n: int, seed: int) -> None:
+    """`n` pages (keys of prompt `seed`, KV of seed `seed + 1`) set from their host slots, then
+    got into fresh slots: every one a hit, byte-exact."""
+    keys = page_keys(n, seed=seed)
+    idx, want = fill(host, n, seed=seed + 1)
+    assert b.batch_set_v1(keys, idx) == [True] * n
+    dst = host.alloc(n * 16)
+    assert b.batch_get_v1(keys, dst) == [True] * n
+    assert [page_bytes(host, dst, p) for p in range(n)] == want
+
+
 def test_sglang_factory_builds_the_plugin(server: HiCacheServerProc) -> None:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     from integrations.sglang import HiCacheServerStorage
 
     host = mha_host_pool()
-    b = make_plugin(storage_config(server.url), host)
+    b = plugin(host, server.url)
     try:
         assert type(b) is HiCacheServerStorage and isinstance(b, HiCacheStorage)
         assert b.mem_pool_host is host and b.pages is not None
@@ -82,7 +95,7 @@ def test_v0_and_v1_read_each_others_pages(server: HiCacheServerProc, layout: str
     """The v0 tensor calls (SGLang's generic page path) and the v1 zero-copy calls store the
     same record: SGLang's flat page bytes."""
     host = mha_host_pool(layout=layout)
-    b = make_plugin(storage_config(server.url, model=f"v0v1-{layout}"), host)
+    b = plugin(host, server.url, model=f"v0v1-{layout}")
     try:
         keys = page_keys(4, seed=3)
         idx, want = fill(host, 4, seed=4)
@@ -109,7 +122,7 @@ def test_prefix_semantics(server: HiCacheServerProc) -> None:
     """`batch_exists` counts the leading run; a get answers per key (SGLang's controller then
     uses the leading run of hits)."""
     host = mha_host_pool()
-    b = make_plugin(storage_config(server.url, model="prefix"), host)
+    b = plugin(host, server.url, model="prefix")
     try:
         keys = page_keys(5, seed=5)
         idx, want = fill(host, 5, seed=6)
@@ -127,15 +140,10 @@ def test_prefix_semantics(server: HiCacheServerProc) -> None:
 
 def test_a_batch_larger_than_the_staging_area_goes_in_parts(server: HiCacheServerProc) -> None:
     host = mha_host_pool(pages=24)
-    b = make_plugin(storage_config(server.url, model="parts", stage_bytes=20_000), host)
+    b = plugin(host, server.url, model="parts", stage_bytes=20_000)
     try:
         assert b.pages.record_bytes == 8320 and b._call_pages == 2  # two records per part
-        keys = page_keys(11, seed=7)
-        idx, want = fill(host, 11, seed=8)
-        assert b.batch_set_v1(keys, idx) == [True] * 11
-        dst = host.alloc(11 * 16)
-        assert b.batch_get_v1(keys, dst) == [True] * 11
-        assert [page_bytes(host, dst, p) for p in range(11)] == want
+        _round_trip(b, host, 11, seed=7)
     finally:
         b.close()
 
@@ -144,14 +152,9 @@ def test_a_batch_larger_than_the_staging_area_goes_in_parts(server: HiCacheServe
 def test_same_host_shared_memory_by_default(server: HiCacheServerProc, shm: bool) -> None:
     host = mha_host_pool()
     extra = {} if shm else {"shm": False}
-    b = make_plugin(storage_config(server.url, model=f"shm-{shm}", **extra), host)
+    b = plugin(host, server.url, model=f"shm-{shm}", **extra)
     try:
-        keys = page_keys(3, seed=9)
-        idx, want = fill(host, 3, seed=10)
-        assert b.batch_set_v1(keys, idx) == [True] * 3
-        dst = host.alloc(3 * 16)
-        assert b.batch_get_v1(keys, dst) == [True] * 3
-        assert [page_bytes(host, dst, p) for p in range(3)] == want
+        _round_trip(b, host, 3, seed=9)
         arena = b.backend.arena
         assert (arena.writes, arena.reads) == ((3, 3) if shm else (0, 0))
     finally:
@@ -165,7 +168,7 @@ def test_v1_pages_move_in_one_copy(server: HiCacheServerProc, layout: str) -> No
     per-thread buffer): no record is assembled anywhere, no page byte crosses the region or
     TCP, and the client's temporaries are never made."""
     host = mha_host_pool(layout=layout)
-    b = make_plugin(storage_config(server.url, model=f"one-copy-{layout}"), host)
+    b = plugin(host, server.url, model=f"one-copy-{layout}")
     try:
         regions = len(b.pages.region_sizes)
         assert regions == (2 * 2 if layout == "layer_first" else 2)  # K and V (per layer)
@@ -191,7 +194,7 @@ def test_v1_pages_move_in_one_copy(server: HiCacheServerProc, layout: str) -> No
 
 def test_storage_metrics_for_sglang(server: HiCacheServerProc) -> None:
     host = mha_host_pool()
-    b = make_plugin(storage_config(server.url, model="metrics", metrics=True), host)
+    b = plugin(host, server.url, model="metrics", metrics=True)
     try:
         keys = page_keys(4, seed=11)
         idx, _ = fill(host, 4, seed=12)
@@ -209,8 +212,8 @@ def test_storage_metrics_for_sglang(server: HiCacheServerProc) -> None:
 def test_configuration_errors_at_start_up(server: HiCacheServerProc) -> None:
     host = mha_host_pool()
     with pytest.raises(ConfigError, match="unknown extra-config keys"):
-        make_plugin(storage_config(server.url, timeout=5), host)
+        plugin(host, server.url, timeout=5)
     with pytest.raises(ConfigError, match="model"):
-        make_plugin(storage_config(server.url, model=None), host)
-    b = make_plugin(storage_config(server.url, model=None, model_id="my-model"), host)
+        plugin(host, server.url, model=None)
+    b = plugin(host, server.url, model=None, model_id="my-model")
     b.close()
