@@ -14,15 +14,7 @@ import pytest
 
 from engine.engine import Engine
 from tests.procs import ManagedProcess, free_port, wait_for_port
-from tests.reliability.conftest import (
-    Reference,
-    make_prompts,
-    settle,
-    stat,
-    storage_engine,
-    storage_stat,
-    threads_alive,
-)
+from tests.reliability import conftest as rel
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc
 from tests.storage_backends.mooncake_procs import ENV as MOONCAKE_ENV
 from tests.storage_backends.mooncake_procs import master_binary
@@ -61,23 +53,23 @@ def _failures(engine: Engine) -> int:
     return int(s["storage"]["errors"]) + int(s["storage_errors"]) + int(s["storage_failed_pages"])
 
 
-def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], object],
+def outage_cycle(engine: Engine, reference: rel.Reference, kill: Callable[[], object],
                  restart: Callable[[], object], seed: int, resume_timeout: float = 90.0) -> None:
-    burst = make_prompts(24, seed)
+    burst = rel.make_prompts(24, seed)
     killer = _kill_during_writes(engine, kill)
     reference.assert_matches(engine, burst)
     killer.join()
     # The outage: new prompts are computed, repeated ones come from L1/L2; nothing from L3.
-    l3_hits = stat(engine, "storage_hit_tokens")
-    during = make_prompts(8, seed + 1)
+    l3_hits = rel.stat(engine, "storage_hit_tokens")
+    during = rel.make_prompts(8, seed + 1)
     reference.assert_matches(engine, during)
     reference.assert_matches(engine, burst[:8])
-    assert stat(engine, "device_hit_tokens") > 0
+    assert rel.stat(engine, "device_hit_tokens") > 0
     engine.wait_transfers(120)
     reference.assert_matches(engine, during)
-    assert stat(engine, "storage_hit_tokens") == l3_hits
+    assert rel.stat(engine, "storage_hit_tokens") == l3_hits
     assert _failures(engine) > 0, "the outage was not counted"
-    assert all(threads_alive(engine)) and len(threads_alive(engine)) == 3
+    assert all(rel.threads_alive(engine)) and len(rel.threads_alive(engine)) == 3
     engine.cache.check_integrity(outside_device_pages=0)
 
     restart()
@@ -86,60 +78,60 @@ def outage_cycle(engine: Engine, reference: Reference, kill: Callable[[], object
     attempt = 0
     while True:
         attempt += 1
-        fresh = make_prompts(8, seed + 100 + attempt)
+        fresh = rel.make_prompts(8, seed + 100 + attempt)
         reference.assert_matches(engine, fresh)
-        settle(engine)
-        before = stat(engine, "storage_hit_tokens")
+        rel.settle(engine)
+        before = rel.stat(engine, "storage_hit_tokens")
         reference.assert_matches(engine, fresh)
-        if stat(engine, "storage_hit_tokens") > before:
+        if rel.stat(engine, "storage_hit_tokens") > before:
             break
         assert time.monotonic() < deadline, "storage hits never resumed after the restart"
         time.sleep(0.5)
     # Pages that were in L3 before the crash and are there again are served intact.
-    settle(engine)
+    rel.settle(engine)
     reference.assert_matches(engine, burst)
-    assert storage_stat(engine, "corrupt_pages") == 0
-    assert all(threads_alive(engine)) and len(threads_alive(engine)) == 3
+    assert rel.storage_stat(engine, "corrupt_pages") == 0
+    assert all(rel.threads_alive(engine)) and len(rel.threads_alive(engine)) == 3
     engine.wait_transfers(120)
     engine.cache.check_integrity(outside_device_pages=0)
 
 
 def test_hicache_server_killed_mid_write_burst(tmp_path: Path, tiny_model: Path,
-                                               reference: Reference) -> None:
+                                               reference: rel.Reference) -> None:
     srv = HiCacheServerProc(tmp_path).start()
     try:
         extra = {"url": srv.url, "timeout_ms": 500}
-        with storage_engine(tiny_model, "hicache", extra) as engine:
+        with rel.storage_engine(tiny_model, "hicache", extra) as engine:
             outage_cycle(engine, reference, srv.kill, srv.start, seed=10)
-            assert storage_stat(engine, "errors") > 0
+            assert rel.storage_stat(engine, "errors") > 0
     finally:
         srv.stop()
 
 
 def test_hicache_server_with_persistence_keeps_pages_over_a_kill(
-    tmp_path: Path, tiny_model: Path, reference: Reference
+    tmp_path: Path, tiny_model: Path, reference: rel.Reference
 ) -> None:
     """With --persist-dir, pages that reached the disk before the SIGKILL are served after the
     restart (the write-behind queue's tail is lost; nothing served is corrupt)."""
     srv = HiCacheServerProc(tmp_path, persist_dir=tmp_path / "persist").start()
     try:
         extra = {"url": srv.url, "timeout_ms": 500}
-        prompts = make_prompts(8, 20)
-        with storage_engine(tiny_model, "hicache", extra) as engine:
+        prompts = rel.make_prompts(8, 20)
+        with rel.storage_engine(tiny_model, "hicache", extra) as engine:
             reference.assert_matches(engine, prompts)
-            settle(engine)
+            rel.settle(engine)
             time.sleep(1.0)  # the server's write-behind thread reaches the disk
             srv.kill()
             srv.start()
-            before = stat(engine, "storage_hit_tokens")
+            before = rel.stat(engine, "storage_hit_tokens")
             deadline = time.monotonic() + 60
-            while stat(engine, "storage_hit_tokens") == before:
+            while rel.stat(engine, "storage_hit_tokens") == before:
                 assert time.monotonic() < deadline, "persisted pages never served"
                 reference.assert_matches(engine, prompts)
-                settle(engine)
+                rel.settle(engine)
                 time.sleep(0.2)
-            assert storage_stat(engine, "corrupt_pages") == 0
-            assert all(threads_alive(engine))
+            assert rel.storage_stat(engine, "corrupt_pages") == 0
+            assert all(rel.threads_alive(engine))
     finally:
         srv.stop()
 
@@ -147,11 +139,11 @@ def test_hicache_server_with_persistence_keeps_pages_over_a_kill(
 @pytest.mark.redis
 @pytest.mark.skipif(not HAVE_REDIS, reason=SKIP_REASON)
 def test_redis_server_killed_mid_write_burst(tmp_path: Path, tiny_model: Path,
-                                             reference: Reference) -> None:
+                                             reference: rel.Reference) -> None:
     server = RedisServer(tmp_path / "redis").start()
     try:
         extra = {"url": server.url, "socket_timeout": 0.5, "backoff_max_s": 1.0}
-        with storage_engine(tiny_model, "redis", extra) as engine:
+        with rel.storage_engine(tiny_model, "redis", extra) as engine:
             outage_cycle(engine, reference, server.kill, server.start, seed=30)
     finally:
         server.stop()
@@ -202,7 +194,7 @@ def mooncake_master_proc(tmp_path: Path) -> Iterator[MooncakeMaster]:
 
 @pytest.mark.mooncake
 def test_mooncake_master_killed_mid_write_burst(
-    mooncake_master_proc: MooncakeMaster, tiny_model: Path, reference: Reference,
+    mooncake_master_proc: MooncakeMaster, tiny_model: Path, reference: rel.Reference,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for k, v in MOONCAKE_ENV.items():
@@ -215,5 +207,5 @@ def test_mooncake_master_killed_mid_write_burst(
         "staging_buffers": 2,
     }
     m = mooncake_master_proc
-    with storage_engine(tiny_model, "mooncake", extra) as engine:
+    with rel.storage_engine(tiny_model, "mooncake", extra) as engine:
         outage_cycle(engine, reference, m.kill, m.start, seed=40)

@@ -18,16 +18,7 @@ import pytest
 
 from hicache.errors import StorageCorrupt
 from hicache.storage import verify_record
-from tests.reliability.conftest import (
-    Reference,
-    engine_kwargs,
-    make_prompts,
-    settle,
-    stat,
-    storage_engine,
-    storage_stat,
-    threads_alive,
-)
+from tests.reliability import conftest as rel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,13 +43,14 @@ _WRITER = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_engine_killed_during_write_back(tmp_path: Path, tiny_model: Path,
-                                         reference: Reference, policy: str) -> None:
+                                         reference: rel.Reference, policy: str) -> None:
     root = tmp_path / "pages"
     extra = {"path": str(root), "prefetch_threshold": 0, "load_back_threshold": 0}
     # A small device and host pool, so write_back evicts (and writes to L3) all the time.
-    kw = engine_kwargs(tiny_model, enable_hierarchical_cache=True, hicache_storage_backend="file",
-                       hicache_storage_backend_extra_config=extra, hicache_write_policy=policy,
-                       max_total_tokens=256, hicache_ratio=1.0)
+    kw = rel.engine_kwargs(tiny_model, enable_hierarchical_cache=True,
+                           hicache_storage_backend="file",
+                           hicache_storage_backend_extra_config=extra, hicache_write_policy=policy,
+                           max_total_tokens=256, hicache_ratio=1.0)
     code = _WRITER.format(repo=str(REPO), kwargs=json.dumps(kw))
     log = open(tmp_path / "writer.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
@@ -96,14 +88,14 @@ def test_engine_killed_during_write_back(tmp_path: Path, tiny_model: Path,
     assert not bad, bad[:5]
 
     # A new engine on the same store serves the killed engine's pages, each valid.
-    prompts = [p for i in range(batches + 1) for p in make_prompts(8, 1000 + i)]
-    with storage_engine(tiny_model, "file", {"path": str(root)},
-                        hicache_write_policy=policy) as engine:
+    prompts = [p for i in range(batches + 1) for p in rel.make_prompts(8, 1000 + i)]
+    with rel.storage_engine(tiny_model, "file", {"path": str(root)},
+                            hicache_write_policy=policy) as engine:
         reference.assert_matches(engine, prompts)
-        assert stat(engine, "storage_hit_tokens") > 0
-        assert storage_stat(engine, "corrupt_pages") == 0
-        assert stat(engine, "corrupt_pages") == 0
-        settle(engine)
+        assert rel.stat(engine, "storage_hit_tokens") > 0
+        assert rel.storage_stat(engine, "corrupt_pages") == 0
+        assert rel.stat(engine, "corrupt_pages") == 0
+        rel.settle(engine)
         reference.assert_matches(engine, prompts[:16])
-        assert storage_stat(engine, "corrupt_pages") == 0
-        assert all(threads_alive(engine))
+        assert rel.storage_stat(engine, "corrupt_pages") == 0
+        assert all(rel.threads_alive(engine))

@@ -16,14 +16,7 @@ from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool
 from hicache.storage import StorageConfig
 from tests.hicache.factories import run_request
-from tests.reliability.conftest import (
-    Reference,
-    make_prompts,
-    settle,
-    stat,
-    storage_engine,
-    storage_stat,
-)
+from tests.reliability import conftest as rel
 
 PAGE = 4
 TOKENS = list(range(100, 100 + 8 * PAGE))
@@ -88,28 +81,28 @@ def test_hiradix_namespaces_never_share_pages() -> None:
 
 @pytest.mark.slow
 def test_engine_namespaces_never_share_pages(tmp_path: Path, tiny_model: Path,
-                                             reference: Reference) -> None:
+                                             reference: rel.Reference) -> None:
     extra = {"path": str(tmp_path / "pages")}
-    prompts = make_prompts(4, 80)
-    with storage_engine(tiny_model, "file", extra, model_id="model-a") as a:
+    prompts = rel.make_prompts(4, 80)
+    with rel.storage_engine(tiny_model, "file", extra, model_id="model-a") as a:
         reference.assert_matches(a, prompts)
         reference.assert_matches(a, prompts, extra_key="salt-1")
-        settle(a)
-        stored = storage_stat(a, "stored_pages")
+        rel.settle(a)
+        stored = rel.storage_stat(a, "stored_pages")
         # Same weights, same tokens, another model id: computed from scratch, nothing read.
-        with storage_engine(tiny_model, "file", extra, model_id="model-b") as b:
+        with rel.storage_engine(tiny_model, "file", extra, model_id="model-b") as b:
             reference.assert_matches(b, prompts)
             reference.assert_matches(b, prompts, extra_key="salt-1")
-            assert stat(b, "storage_hit_tokens") == 0
-            assert stat(b, "hit_tokens") == 0
-            assert storage_stat(b, "get_pages") == 0
-            settle(b)
-            assert storage_stat(b, "stored_pages") == 2 * stored
+            assert rel.stat(b, "storage_hit_tokens") == 0
+            assert rel.stat(b, "hit_tokens") == 0
+            assert rel.storage_stat(b, "get_pages") == 0
+            rel.settle(b)
+            assert rel.storage_stat(b, "stored_pages") == 2 * stored
         # Same model id, another salt (or none vs a salt): nothing read either.
         reference.assert_matches(a, prompts, extra_key="salt-2")
-        assert stat(a, "storage_hit_tokens") == 0 and stat(a, "hit_tokens") == 0
+        assert rel.stat(a, "storage_hit_tokens") == 0 and rel.stat(a, "hit_tokens") == 0
         # Control: the same model id and salt read the pages back.
-        settle(a)
+        rel.settle(a)
         reference.assert_matches(a, prompts, extra_key="salt-1")
-        assert stat(a, "storage_hit_tokens") > 0
-        assert storage_stat(a, "corrupt_pages") == 0
+        assert rel.stat(a, "storage_hit_tokens") > 0
+        assert rel.storage_stat(a, "corrupt_pages") == 0
