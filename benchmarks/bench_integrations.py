@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -124,21 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped[plugin] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
     ratios = add_ratios(rows)
-    report = {
-        "benchmark": "bench_integrations",
-        "args": vars(a),
-        "host": {"platform": platform.platform(), "python": platform.python_version(),
-                 "cpus": os.cpu_count()},
-        "started_unix": t0,
-        "seconds": time.time() - t0,
-        "rows": rows,
-        "ratios": ratios,
-        "skipped": skipped,
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
+    from benchmarks.common import host, save_json
+
     print_table(rows, ratios)
-    print(f"\nwrote {a.out}")
+    save_json(a.out, {"benchmark": "bench_integrations", "args": vars(a), "host": host(),
+                      "started_unix": t0, "seconds": time.time() - t0, "rows": rows,
+                      "ratios": ratios, "skipped": skipped})
     return 1 if skipped and not rows else 0
 
 

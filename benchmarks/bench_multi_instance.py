@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -293,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         name = "bench_multi_instance" + ("_small" if a.workload == "small" else "") \
             + ("_quick" if a.quick else "") + ".json"
         a.out = ROOT / "benchmarks" / "results" / name
-    tmp = Path(tempfile.mkdtemp(prefix="bench-multi-instance-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-multi-instance-",
+                                     ignore_cleanup_errors=True) as d:
+        tmp = Path(d)
         model = make_checkpoint(tmp / "model", a.hidden, a.layers, a.vocab)
         system, users = make_workload(a)
         results: dict[str, Any] = {}
@@ -320,20 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             m = ratios.get(k)
             targets[k] = {"target": f"{op} {v}", "measured": m,
                           "met": None if m is None else (m >= v if op == ">=" else m <= v)}
-        report = {
-            "benchmark": "bench_multi_instance",
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        # 1-minute load average at the start and at the end of the run
-                        "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
-            "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-            "results": results,
-            "ratios": ratios,
-            "targets": targets,
-        }
-        write_report(a.out, report)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                   # 1-minute load average at the start and at the end of the run
+                   "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+        write_report(a.out, "bench_multi_instance", a, machine, results=results, ratios=ratios,
+                     targets=targets)
     return 0
 
 

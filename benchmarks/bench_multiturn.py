@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    work = Path(tempfile.mkdtemp(prefix="bench-multiturn-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-multiturn-", ignore_cleanup_errors=True) as d:
+        work = Path(d)
         model = make_checkpoint(work / "model", a.hidden, a.layers, a.vocab)
         store = work / "pages"
         system, users = make_workload(a)
@@ -245,27 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                     results["l3_restart"][f"ttft_{q}_s"] / results["off_restart"][f"ttft_{q}_s"], 3)
         targets = {k: {"target": v, "measured": ratios.get(k), "met": (
             ratios[k] <= v if k in ratios else None)} for k, v in TARGETS.items()}
-        report = {
-            "benchmark": "bench_multiturn",
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads(),
-                        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available()
-                        and a.device != "cpu" else None},
-            "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-            "working_set_tokens": working_set,
-            "results": results,
-            "ratios": ratios,
-            "targets": targets,
-        }
-        write_report(a.out, report)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                   "torch_threads": torch.get_num_threads(),
+                   "cuda": torch.cuda.get_device_name() if torch.cuda.is_available()
+                   and a.device != "cpu" else None}
+        write_report(a.out, "bench_multiturn", a, machine, working_set_tokens=working_set,
+                     results=results, ratios=ratios, targets=targets)
     return 0
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    """Write a benchmark's JSON report and print its targets (the benchmarks share this)."""
+def write_report(out: Path, benchmark: str, a: argparse.Namespace, machine: dict[str, Any],
+                 **sections: Any) -> None:
+    """Write a benchmark's JSON report (its name, when, the machine, the parameters `a`, then
+    `sections`) and print its targets (the benchmarks share this)."""
+    report = {"benchmark": benchmark, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine,
+              "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+              **sections}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     for k, t in report.get("targets", {}).items():

@@ -20,13 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -444,26 +440,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not targets:
         print("no targets", file=sys.stderr)
         return 1
-    with ExitStack() as stack:
-        if args.tmp:
-            tmp = Path(args.tmp)
-            tmp.mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_storage-")))
+    from benchmarks.common import host, save_json, work_dir
+
+    with work_dir(args.tmp, "bench_storage-") as tmp:
         t0 = time.time()
         out = MODES[args.mode](args, targets, tmp)
-    report = {
-        "benchmark": "bench_storage",
-        "mode": args.mode,
-        "args": vars(args),
-        "host": {"platform": platform.platform(), "python": platform.python_version(),
-                 "cpus": os.cpu_count()},
-        "started_unix": t0,
-        "seconds": time.time() - t0,
-        "results": out,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=lambda o: asdict(o)))
+    report = {"benchmark": "bench_storage", "mode": args.mode, "args": vars(args), "host": host(),
+              "started_unix": t0, "seconds": time.time() - t0, "results": out}
     if "rows" in out:
         print_table(out["rows"])
         print("\nrecord validation (verify_record) on this machine: " + ", ".join(
@@ -472,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.soak_storage import print_soak
 
         print_soak(out["soak"])
-    print(f"\nwrote {args.out}")
+    save_json(args.out, report, default=lambda o: asdict(o))
     if "soak" in out and not all(r["ok"] for r in out["soak"]):
         return 1
     return 0

@@ -39,7 +39,6 @@ import cProfile
 import os
 import platform
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -172,12 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     tails = [[rnd.randrange(10, a.vocab) for _ in range(NEW_TOKENS)]
              for _ in range(3 * a.repeats)]
     warm = [rnd.randrange(10, a.vocab) for _ in range(min(64, a.tokens))]
-    work = Path(tempfile.mkdtemp(prefix="bench-ttft-tiers-"))
 
     def prof(name: str) -> Path | None:
         return a.profile / f"{name}.prof" if a.profile else None
 
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-ttft-tiers-", ignore_cleanup_errors=True) as d:
+        work = Path(d)
         model = model_dir or make_checkpoint(work / "model", a.hidden, a.layers, a.vocab)
         cfg = ModelConfig.from_dir(model)
         store = work / "pages"
@@ -257,28 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in rows.items():
             print(f"{name:8s} ttft {r['ttft_s']:.4f}s  forward {r['forward_s']:.4f}s "
                   f"({r['computed_tokens']} tokens)  hits {r['hit_tokens']}", flush=True)
-        report = {
-            "benchmark": "bench_ttft_tiers",
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads(),
-                        "cuda": torch.cuda.get_device_name() if a.device.startswith("cuda")
-                        else None},
-            "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-            "model": {"config": str(model_dir or "generated"), "model_type": cfg.model_type,
+        machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                   "torch_threads": torch.get_num_threads(),
+                   "cuda": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
+        model_info = {"config": str(model_dir or "generated"), "model_type": cfg.model_type,
                       "hidden": cfg.hidden_size, "layers": cfg.num_layers,
-                      "vocab": cfg.vocab_size, "load_format": a.load_format},
-            "kv_bytes_per_token": kv_bytes_per_token(
-                cfg, torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()),
-            # The start-up calibration of the last engine (hicache.calibration).
-            "cost_model": cost_model,
-            "rows": rows,
-            "ratios": ratios,
-            "targets": targets,
-        }
-        write_report(a.out, report)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                      "vocab": cfg.vocab_size, "load_format": a.load_format}
+        kv_bytes = kv_bytes_per_token(
+            cfg, torch.tensor([], dtype=getattr(torch, a.dtype)).element_size())
+        # cost_model: the start-up calibration of the last engine (hicache.calibration).
+        write_report(a.out, "bench_ttft_tiers", a, machine, model=model_info,
+                     kv_bytes_per_token=kv_bytes, cost_model=cost_model, rows=rows,
+                     ratios=ratios, targets=targets)
     return 0
 
 

@@ -16,7 +16,6 @@ cache-resident. MB/s is MiB copied per second; median of `--repeat`.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import sys
@@ -86,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, r in rows.items():
         print(f"{k:<10} {r['mb_s_median']:>9.1f} MB/s  {r['mb_s']}")
     print(f"copy+xxh3 / copy: {ratio:.2f}x")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"benchmark": "copy_floor", "args": vars(a),
-                                       "rows": rows, "ratio_checked_to_bare": ratio}, indent=1))
-    print(f"wrote {a.out}")
+    from benchmarks.common import save_json
+
+    save_json(a.out, {"benchmark": "copy_floor", "args": vars(a), "rows": rows,
+                      "ratio_checked_to_bare": ratio})
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -349,10 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rs:
         print(f"hicache / best built-in ({r['best_builtin']}) {r['op']} x{r['clients']}: "
               f"{r['ratio']:.2f}x")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"benchmark": "integrations_lmcache", "args": vars(a),
-                                       "rows": rows, "ratios": rs}, indent=1))
-    print(f"wrote {a.out}")
+    from benchmarks.common import save_json
+
+    save_json(a.out, {"benchmark": "integrations_lmcache", "args": vars(a), "rows": rows,
+                      "ratios": rs})
     return 0
 
 

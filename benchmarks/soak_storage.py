@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import random
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -303,20 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     names = [n for n in args.targets.split(",") if n]
     targets = [t for t in discover_targets(names) if t.name in names]
-    with ExitStack() as stack:
-        if args.tmp:
-            tmp = Path(args.tmp)
-            tmp.mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+    from benchmarks.common import save_json, work_dir
+
+    with work_dir(args.tmp, "soak-") as tmp:
         t0 = time.time()
         out = run_soak(args, targets, tmp)
+    print_soak(out["soak"])
     report = {"benchmark": "soak_storage", "args": vars(args), "cpus": os.cpu_count(),
               "started_unix": t0, "seconds": time.time() - t0, "results": out}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print_soak(out["soak"])
-    print(f"\nwrote {args.out}")
+    save_json(args.out, report)
     return 0 if all(r["ok"] for r in out["soak"]) else 1
 
 

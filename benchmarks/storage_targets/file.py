@@ -14,6 +14,7 @@ from pathlib import Path
 
 import xxhash
 
+from benchmarks.common import leading
 from benchmarks.storage_targets import (
     BackendClient,
     Client,
@@ -72,10 +73,7 @@ class RawFileClient:
         return hits
 
     def exists(self, keys: list[str]) -> int:
-        for i, k in enumerate(keys):
-            if not os.path.exists(self._path(k)):
-                return i
-        return len(keys)
+        return leading(os.path.exists(self._path(k)) for k in keys)
 
     def close(self) -> None:
         pass

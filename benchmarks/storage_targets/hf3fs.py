@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks.common import leading
 from benchmarks.storage_targets import BackendClient, Client, ClientFactory, Target, bench_config
 
 SLOT_BYTES = (4 << 20) + 4096  # the largest record the benchmark writes by default: 4 MiB
@@ -67,10 +68,7 @@ class RawSlotClient:
         return hits
 
     def exists(self, keys: list[str]) -> int:
-        for i, k in enumerate(keys):
-            if self._slot(k, False) is None:
-                return i
-        return len(keys)
+        return leading(self._slot(k, False) is not None for k in keys)
 
     def close(self) -> None:
         os.close(self.fd)

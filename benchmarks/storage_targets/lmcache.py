@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import leading
 from benchmarks.storage_targets import BackendClient, Client, ClientFactory, Target, bench_config
 from tests.storage_backends.harness_lmcache import lmcache_server
 
@@ -91,10 +92,7 @@ class RawLMCacheClient:
         return hits
 
     def exists(self, keys: list[str]) -> int:
-        for i, k in enumerate(keys):
-            if not self.conn.exists_sync(self._key(k)):
-                return i
-        return len(keys)
+        return leading(self.conn.exists_sync(self._key(k)) for k in keys)
 
     def close(self) -> None:
         self._run(self.conn.close())

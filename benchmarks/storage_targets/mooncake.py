@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks.common import leading
 from benchmarks.storage_targets import BackendClient, Client, ClientFactory, Target, bench_config
 from tests.storage_backends.mooncake_procs import (
     ENV,
@@ -76,10 +77,7 @@ class RawMooncakeClient:
 
     def exists(self, keys: list[str]) -> int:
         flags = self.store.batch_is_exist(["raw/" + k for k in keys])
-        for i, f in enumerate(flags):
-            if f != 1:
-                return i
-        return len(keys)
+        return leading(f == 1 for f in flags)
 
     def close(self) -> None:
         self.store.close()

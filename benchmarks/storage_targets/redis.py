@@ -11,14 +11,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.storage_targets import (
-    BackendClient,
-    Client,
-    ClientFactory,
-    Target,
-    UnverifiedBackendClient,
-    bench_config,
-)
+from benchmarks import storage_targets as st
 
 
 @contextmanager
@@ -36,16 +29,16 @@ def _server_url(tmp: Path) -> Iterator[str]:
 
 
 def _starter(
-    wrap: type[BackendClient], dirname: str
-) -> Callable[[Path], AbstractContextManager[ClientFactory]]:
+    wrap: type[st.BackendClient], dirname: str
+) -> Callable[[Path], AbstractContextManager[st.ClientFactory]]:
     @contextmanager
-    def start(tmp: Path) -> Iterator[ClientFactory]:
+    def start(tmp: Path) -> Iterator[st.ClientFactory]:
         from storage_backends.redis_backend import RedisBackend
 
         with _server_url(tmp / dirname) as url:
 
-            def make() -> Client:
-                return wrap(RedisBackend(bench_config(
+            def make() -> st.Client:
+                return wrap(RedisBackend(st.bench_config(
                     {"url": url, "key_prefix": f"bench:{dirname}:", "socket_timeout": 30}
                 )))
 
@@ -88,15 +81,15 @@ class RawRedisClient:
 
 
 @contextmanager
-def _start_raw(tmp: Path) -> Iterator[ClientFactory]:
+def _start_raw(tmp: Path) -> Iterator[st.ClientFactory]:
     with _server_url(tmp / "redis-raw") as url:
         yield lambda: RawRedisClient(url)
 
 
 TARGETS = [
-    Target("redis", _starter(BackendClient, "redis"), marks=("redis",)),
-    Target("redis-raw", _start_raw, baseline_of="redis", marks=("redis",)),
+    st.Target("redis", _starter(st.BackendClient, "redis"), marks=("redis",)),
+    st.Target("redis-raw", _start_raw, baseline_of="redis", marks=("redis",)),
     # The backend's own I/O path, reads without record validation: where the time goes.
-    Target("redis-io", _starter(UnverifiedBackendClient, "redis-io"),
+    st.Target("redis-io", _starter(st.UnverifiedBackendClient, "redis-io"),
            marks=("redis", "diagnostic", "vs:redis-raw")),
 ]
