@@ -5,6 +5,7 @@
 # x86_64 into .gpu-wheels/ (ignored by git), at the versions make setup installs here; the device
 # tool carries the folder with the tree (run carry: [".gpu-wheels"]), and gpu_check.sh installs
 # them with --no-index --no-deps. Under 64 MiB all together (the carry limit); prints the size.
+# Not smg (37 MB alone): the gateway tests skip there, saying so; they route, they need no GPU.
 #
 #   scripts/gpu_wheels.sh            # into .gpu-wheels/
 #   GPU_PY=3.12 scripts/gpu_wheels.sh
@@ -21,7 +22,7 @@ PKGS=(
   opentelemetry-api importlib-metadata zipp
   anyio sniffio idna uvicorn h11 click prometheus-client httpx httpcore certifi
   aiofiles rich markdown-it-py mdurl pygments jsonschema jsonschema-specifications referencing
-  rpds-py xgrammar openai distro jiter redis tqdm
+  rpds-py xgrammar apache-tvm-ffi openai distro jiter redis tqdm msgspec
   matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six
 )
 mkdir -p "$DEST"

@@ -62,8 +62,10 @@ def wait_store_pages(store: HiCacheServerProc, pages: int, timeout: float = 120.
 def smg_binary() -> str:
     exe = Path(sys.executable).parent / "smg"
     found = str(exe) if exe.exists() else shutil.which("smg")
-    if found is None:
-        raise RuntimeError("the `smg` gateway is not installed (pip install smg)")
+    if found is None:  # (make setup installs it; a bare GPU machine may lack it)
+        import pytest
+
+        pytest.skip("the `smg` gateway is not installed (pip install smg)")
     return found
 
 
