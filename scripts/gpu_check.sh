@@ -529,7 +529,8 @@ fi
 # time limit; scripts/gpu_report.py writes each test's outcome as it ends, so a run cut at its
 # limit still reports, and prints the summary: counts, each failure's id and first line, and why
 # tests skipped. Tests needing what this machine cannot run (redis-server, Mooncake, LMCache,
-# SGLang, smg) skip with their reason.
+# SGLang, smg) skip with their reason. The lint test (ruff, mypy: the same on any machine, and
+# not carried) is left to CI.
 SUITES=${GPU_CHECK_SUITES:-tests}
 if [ "$QUICK" = 1 ]; then SUITES=${GPU_CHECK_SUITES:-tests/hicache}; fi
 if "$PY" -c "import pytest, xdist, pytest_timeout" 2>/dev/null; then
@@ -539,7 +540,8 @@ if "$PY" -c "import pytest, xdist, pytest_timeout" 2>/dev/null; then
   GPU_REPORT="$OUT/suites.tsv" HICACHE_GPU_SHARE=${HICACHE_GPU_SHARE:-$(awk "BEGIN{print 0.9/$WORKERS}")} \
     PYTHONPATH="$ROOT/scripts/gpu_share:$ROOT/scripts:$PYTHONPATH" \
     step suites "${GPU_CHECK_SUITES_S:-200}" "$PY" -m pytest -p gpu_report -p no:cacheprovider \
-    -n "$WORKERS" --timeout 240 -q -o addopts="--strict-markers" -rN -m "not gpu" $SUITES
+    -n "$WORKERS" --timeout 240 -q -o addopts="--strict-markers" -rN -m "not gpu" \
+    --deselect tests/hicache/test_lint.py $SUITES
   "$PY" scripts/gpu_report.py "$OUT/suites.tsv" | tee "$OUT/suites_summary.txt"
 else
   echo "== suites: skipped (needs pytest, pytest-xdist and pytest-timeout: scripts/gpu_wheels.sh)"
