@@ -47,6 +47,7 @@ class ServerConfig:
     admin_token: str | None = None  # None: the admin API is off
     pin_share: float = 0.5  # most of --capacity pinned pages may hold
     read_lease_ms: int = 10_000  # how long a record located for a read in place is held
+    tenants_file: str | None = None  # None: one shared token (--auth-token) or none
 
     @property
     def arena_bytes(self) -> int:
@@ -75,6 +76,9 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         parser.error("--pin-share must be between 0 and 1")
     if args.read_lease_ms <= 0:
         parser.error("--read-lease-ms must be > 0")
+    if args.tenants_file is not None and token is not None:
+        parser.error(f"--tenants-file and --auth-token (or {AUTH_ENV}) exclude each other: "
+                     "with a tenants file every data token is a tenant's")
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -95,6 +99,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         admin_token=admin,
         pin_share=args.pin_share,
         read_lease_ms=args.read_lease_ms,
+        tenants_file=args.tenants_file,
     )
     return config, args.log_level
 
@@ -163,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"shared token every request must carry (default: env {AUTH_ENV}; unset = no auth). "
         "Prefer the environment variable: command lines are visible to other users",
+    )
+    p.add_argument(
+        "--tenants-file",
+        default=None,
+        help="TOML (or .json) file of tenants: each token's tenant, partition and rights (read, "
+        "write, clear); the server keys every page by its tenant's partition, so no tenant reads, "
+        "probes, overwrites or clears another's (docs/security.md). Read again on SIGHUP and by "
+        "`hicache-admin reload-tenants`. Excludes --auth-token; turns the shared-memory store off "
+        "for tenants (same-host clients use their own regions). Default: no tenants",
     )
     p.add_argument(
         "--admin-token",

@@ -60,8 +60,11 @@ from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorC
 # Version 6 adds the admin API (`admin_lookup`, `pin`, `unpin`, `admin_clear`, `admin_stats`,
 # with the admin token) and read leases (`shm_release`), and `bind_namespace`
 # (`admin_protocol.py`).
-PROTOCOL_VERSION = 6
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)
+# Version 7 adds tenants (`--tenants-file`, server/tenants.py): the admin's `reload_tenants`,
+# and the `forbidden` error (a tenant token without the right a request needs). A tenant's
+# requests are the same messages: the server scopes them by the token they carry.
+PROTOCOL_VERSION = 7
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 # --------------------------------------------------------------------------------------------
 # Messages
@@ -368,6 +371,20 @@ class ShmCommitReply(Reply):
 
 
 @dataclass
+class ReloadTenantsRequest(Request):
+    """Read the tenants file again (the admin token): added, removed and rotated tokens take
+    effect from the next request; a file that does not load changes nothing (an error reply)."""
+
+    TYPE: ClassVar[str] = "reload_tenants"
+
+
+@dataclass
+class ReloadTenantsReply(Reply):
+    TYPE: ClassVar[str] = "reload_tenants_ok"
+    summary: str = ""  # tenants and tokens now, how many added and removed (never a token)
+
+
+@dataclass
 class ErrorReply(Reply):
     TYPE: ClassVar[str] = "error"
     code: str = ErrorCode.INTERNAL
@@ -392,6 +409,7 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     ShmCommitRequest,
     ClearNamespaceRequest,
     *A.REQUESTS,
+    ReloadTenantsRequest,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -411,6 +429,7 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     ShmCommitReply,
     ClearNamespaceReply,
     *A.REPLIES,
+    ReloadTenantsReply,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -428,8 +447,9 @@ _SINCE: dict[str, int] = {
     c.TYPE: 4
     for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
 } | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)} | {
-    c.TYPE: A.VERSION for c in (*A.REQUESTS, *A.REPLIES)}
-ADMIN_TYPES = A.ADMIN_TYPES
+    c.TYPE: A.VERSION for c in (*A.REQUESTS, *A.REPLIES)} | {
+    c.TYPE: 7 for c in (ReloadTenantsRequest, ReloadTenantsReply)}
+ADMIN_TYPES = A.ADMIN_TYPES | {ReloadTenantsRequest.TYPE}
 
 CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,
                wire_names={"request_id": "id", "token": "auth"})

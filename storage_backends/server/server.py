@@ -38,6 +38,7 @@ from storage_backends.server.malloc import tune_malloc
 from storage_backends.server.metrics import Metrics
 from storage_backends.server.shm import ShmAttachments, copy_out, records_in
 from storage_backends.server.store import nbytes
+from storage_backends.server.tenants import Tenant, Tenants
 from storage_backends.server.tiers import Tiers
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ _FRAME_OVERHEAD = 256  # bytes charged per frame of a waiting request (objects, 
 _OP_LABEL = {P.ShmGetRequest.TYPE: "get", P.ShmLocateRequest.TYPE: "get",
              P.ShmSetRequest.TYPE: "set", P.ShmReserveRequest.TYPE: "reserve",
              P.ShmCommitRequest.TYPE: "set"}
+# What a tenant's token needs for each request (types not listed need no right); the
+# shared-memory store's requests are refused for tenants (it maps every partition's pages).
+_RIGHT = {P.ExistsRequest.TYPE: "read", P.GetRequest.TYPE: "read", P.ShmGetRequest.TYPE: "read",
+          P.SetRequest.TYPE: "write", P.ShmSetRequest.TYPE: "write",
+          P.DeleteRequest.TYPE: "write", P.ClearRequest.TYPE: "clear",
+          P.ClearNamespaceRequest.TYPE: "clear"}
+_NOT_FOR_TENANTS = {P.MapStoreRequest.TYPE, P.ShmLocateRequest.TYPE, P.ShmReserveRequest.TYPE,
+                    P.ShmCommitRequest.TYPE, P.ShmReleaseRequest.TYPE}
 
 class HiCacheServer:
     """The server: `serve_forever()` until `stop()` (or SIGTERM/SIGINT in `main`)."""
@@ -62,6 +71,9 @@ class HiCacheServer:
         self.shm = ShmAttachments(config.shm_max_bytes)
         self._token = config.auth_token.encode() if config.auth_token else None
         self._admin_token = config.admin_token.encode() if config.admin_token else None
+        self.tenants = (Tenants(config.tenants_file, config.admin_token)
+                        if config.tenants_file else None)
+        self._reload_asked = threading.Event()  # SIGHUP: reload the tenants file in the loop
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -99,7 +111,8 @@ class HiCacheServer:
             config.host,
             self.port,
             config.capacity_bytes,
-            "required" if self._token else "off",
+            "required" if self._token else
+            f"per tenant ({len(self.tenants.names())} tenants)" if self.tenants else "off",
             config.persist_dir or "off",
             config.max_frame_bytes,
             f"up to {config.shm_max_bytes} bytes" if self.shm.enabled else "off",
@@ -111,6 +124,12 @@ class HiCacheServer:
         """The shared-memory store, when enabled and possible here (else None: logged)."""
         size = self.config.arena_bytes
         if size <= 0 or self.config.shm_max_bytes <= 0:
+            return None
+        if self.config.tenants_file:
+            # NOTE: a mapped store shows every partition's records (and which are present) to
+            # each same-host client: with tenants it is off, and clients read through their
+            # own regions (docs/security.md).
+            logger.info("shared-memory store off: tenants are configured")
             return None
         if not supported():
             logger.info("shared-memory store off: readers need x86-64 memory ordering")
@@ -126,12 +145,27 @@ class HiCacheServer:
     def stop(self) -> None:
         self._stop.set()
 
+    def ask_reload(self) -> None:
+        """Reload the tenants file before the next request (safe from a signal handler)."""
+        self._reload_asked.set()
+
+    def reload_tenants(self) -> tuple[bool, str]:
+        """Read the tenants file again, between two requests: the requests answered before
+        ran under the old table, every later one runs under the new; stored pages stay (they
+        are keyed by partition, not by token)."""
+        if self.tenants is None:
+            return False, "this server has no tenants file (--tenants-file)"
+        return self.tenants.reload()
+
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                if self._reload_asked.is_set():
+                    self._reload_asked.clear()
+                    self.reload_tenants()
                 # While replies are held for clients, look often for the written ones (their
                 # bytes free room for requests waiting on the budgets).
                 events = dict(poller.poll(1 if self.budget.busy else 200))
@@ -249,7 +283,9 @@ class HiCacheServer:
             self._check_frames(frames)
             req = P.decode(frames, expect="request")
             assert isinstance(req, P.Request)
-            self._check_auth(req)
+            tenant = self._check_auth(req)
+            if tenant is not None:
+                self._scope(req, tenant)
             self._check_keys(req)
             return req
         except P.ProtocolError as e:
@@ -306,10 +342,14 @@ class HiCacheServer:
                     rid,
                 )
 
-    def _check_auth(self, req: P.Request) -> None:
+    def _check_auth(self, req: P.Request) -> Tenant | None:
+        """Refuse a request without the token it needs; the tenant of its token (None: no
+        tenants file, or an admin request)."""
         # NOTE: the version-1 `clear` empties every namespace: with an admin token it is the
-        # admin's alone (the data token is refused), like the admin API's `admin_clear`.
-        if req.TYPE in P.ADMIN_TYPES or (req.TYPE == "clear" and self._admin_token is not None):
+        # admin's alone (the data token is refused), like the admin API's `admin_clear`. A
+        # tenant's clear empties its own partition only (`_scope`).
+        if req.TYPE in P.ADMIN_TYPES or (req.TYPE == "clear" and self._admin_token is not None
+                                         and self.tenants is None):
             if self._admin_token is None:
                 self.counters["unauthorized"] += 1
                 raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "the admin API is off: start "
@@ -320,14 +360,39 @@ class HiCacheServer:
                         "(--admin-token), not the data token") if req.TYPE == "clear" \
                     else "missing or wrong admin token"
                 raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, what, req.request_id)
-            return
+            return None
+        if self.tenants is not None:
+            tenant = self.tenants.lookup(req.token)
+            if tenant is None:
+                self.counters["unauthorized"] += 1
+                raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "missing or unknown tenant token "
+                                      "(this server has a tenants file)", req.request_id)
+            return tenant
         if self._token is None:
-            return
+            return None
         if not hmac.compare_digest(req.token.encode(), self._token):
             self.counters["unauthorized"] += 1
             raise P.ProtocolError(
                 P.ErrorCode.UNAUTHORIZED, "missing or wrong auth token", req.request_id
             )
+        return None
+
+    def _scope(self, req: P.Request, tenant: Tenant) -> None:
+        """Bind a tenant's request to its partition: refuse what its rights do not allow and
+        the shared-memory store; name its keys as stored (`Tenant.keys`)."""
+        rid = req.request_id
+        right = _RIGHT.get(req.TYPE)
+        if right is not None and right not in tenant.rights:
+            self.counters["forbidden"] = self.counters.get("forbidden", 0) + 1
+            raise P.ProtocolError(P.ErrorCode.FORBIDDEN, f"tenant {tenant.name!r} has no "
+                                  f"{right!r} right ({req.TYPE})", rid)
+        if req.TYPE in _NOT_FOR_TENANTS:
+            raise P.ProtocolError(P.ErrorCode.NO_SHM, "the shared-memory store is off for "
+                                  "tenants: read and write through your own region", rid)
+        keys = getattr(req, "keys", None)
+        if keys:
+            req.keys = tenant.keys(keys)  # type: ignore[attr-defined]
+        req.tenant = tenant  # type: ignore[attr-defined]
 
     def _check_keys(self, req: P.Request) -> None:
         rid = req.request_id
@@ -397,6 +462,10 @@ class HiCacheServer:
             return P.ExistsReply(request_id=rid, count=self.tiers.exists(keys))
         if isinstance(req, P.DeleteRequest):
             return P.DeleteReply(request_id=rid, deleted=self.tiers.delete(keys))
+        tenant: Tenant | None = getattr(req, "tenant", None)
+        if tenant is not None and isinstance(req, (P.ClearRequest, P.ClearNamespaceRequest,
+                                                   P.StatsRequest)):
+            return self._tenant_op(req, tenant)
         if isinstance(req, P.ClearRequest):
             self.tiers.clear()
             logger.info("cleared by a client")
@@ -414,10 +483,43 @@ class HiCacheServer:
                 protocol_version=P.PROTOCOL_VERSION,
                 max_frame_bytes=self.config.max_frame_bytes,
             )
+        if isinstance(req, P.ReloadTenantsRequest):
+            ok, summary = self.reload_tenants()
+            if not ok:
+                raise P.ProtocolError(P.ErrorCode.MALFORMED, summary, rid)
+            logger.info("admin: tenants reloaded")
+            return P.ReloadTenantsReply(request_id=rid, summary=summary)
         reply = admin_ops.execute(self, req, ident)
         if reply is None:
             raise P.ProtocolError(P.ErrorCode.UNKNOWN_TYPE, f"no handler for {req.TYPE}", rid)
         return reply
+
+    def _tenant_op(self, req: P.Request, tenant: Tenant) -> P.Reply:
+        """A tenant's clear, namespace clear and stats: of its own partition only."""
+        rid = req.request_id
+        if isinstance(req, P.StatsRequest):
+            held = [n for k, _, n in self.tiers.store.held() if tenant.owns(k)]
+            return P.StatsReply(request_id=rid, stats={"pages": len(held), "bytes": sum(held)})
+        ns = bytes.fromhex(req.namespace) if isinstance(req, P.ClearNamespaceRequest) else None
+        n = self.clear_partition(tenant, ns)
+        logger.info("tenant %s cleared %s of its partition (%d pages)", tenant.name,
+                    f"namespace {ns.hex()[:16]}…" if ns else "all", n)
+        if isinstance(req, P.ClearNamespaceRequest):
+            return P.ClearNamespaceReply(request_id=rid, deleted=n)
+        return P.ClearReply(request_id=rid)
+
+    def clear_partition(self, tenant: Tenant, namespace: bytes | None) -> int:
+        """Drop `tenant`'s partition's pages (of record `namespace` only, unless None), in
+        memory and on disk, and their pins; how many (the larger tier's count)."""
+        tiers, tag = self.tiers, tenant.tag
+        ns = namespace.hex() if namespace is not None else None
+        keys = [k for k, n, _ in tiers.store.held() if k.startswith(tag) and ns in (None, n)]
+        if keys and len(tiers.pins):
+            tiers.pins.unpin(keys)
+        n = tiers.store.clear_namespace(namespace, tag)
+        if tiers.persist is not None:
+            n = max(n, tiers.persist.clear_namespace(namespace, tag))
+        return n
 
     def _arena(self, rid: int, arena_id: int | None = None) -> Arena:
         """The store's arena (that the client has mapped, when it names one)."""
@@ -483,8 +585,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("received %s", signal.Signals(signum).name)
         server.stop()
 
+    def _on_hup(_signum: int, _frame: object) -> None:
+        logger.info("received SIGHUP: reloading the tenants file")
+        server.ask_reload()
+
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGHUP, _on_hup)
     server.serve_forever()
     return 0
 

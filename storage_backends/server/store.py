@@ -198,12 +198,13 @@ class PageStore:
             self._drop([self._lru[k] for k in self._lru])
             self._lru.clear()
 
-    def clear_namespace(self, namespace: builtins.bytes) -> int:
-        """Drop every record of `namespace` (named in its header); how many were dropped."""
+    def clear_namespace(self, namespace: builtins.bytes | None, prefix: str = "") -> int:
+        """Drop every record of `namespace` (named in its header; None: any) whose key starts
+        with `prefix` (a tenant's partition); how many were dropped."""
         with self._lock:
-            keys = [k for k in self._lru
-                    if in_namespace(self.view(self._lru.get(k, touch=False))[:_NS_END],
-                                    namespace)]
+            keys = [k for k in self._lru if k.startswith(prefix) and (
+                namespace is None
+                or in_namespace(self.view(self._lru.get(k, touch=False))[:_NS_END], namespace))]
             dropped = [self._lru.pop(k) for k in keys]
             self._drop([v for v in dropped if v is not None])
             return len(keys)
@@ -442,28 +443,31 @@ class WriteBehind:
                 self._pending.clear()
             self.backend.clear()
 
-    def clear_namespace(self, namespace: bytes) -> int:
-        """Drop every page of `namespace`, queued or on disk (each file's header is read); how
-        many. Runs under the writer's I/O lock, so none of them is written back afterwards."""
+    def clear_namespace(self, namespace: bytes | None, prefix: str = "") -> int:
+        """Drop every page of `namespace` (None: any) whose key starts with `prefix`, queued or
+        on disk (each file's header is read); how many. Runs under the writer's I/O lock, so
+        none of them is written back afterwards. (A `prefix` finds only files named by their
+        key: a tenant's stored keys always are, `tenants.Tenant.key`.)"""
         with self._io_lock:
             with self._cond:
-                queued = [k for k, v in self._pending.items()
-                          if in_namespace(memoryview(v)[:_NS_END], namespace)]
+                queued = [k for k, v in self._pending.items() if k.startswith(prefix) and (
+                    namespace is None or in_namespace(memoryview(v)[:_NS_END], namespace))]
                 for k in queued:
                     del self._pending[k]
             from storage_backends.file_backend import page_name
 
             names, hashed = [], 0
-            for path in self.backend.root.glob("*/*/*"):
+            for path in self.backend.root.glob(f"{prefix[:2]}*/{prefix[2:4]}*/{prefix}*"):
                 if not path.is_file() or path.name.endswith(".tmp"):
                     continue
-                try:
-                    with open(path, "rb") as f:
-                        head = f.read(_NS_END)
-                except OSError:
-                    continue  # vanished meanwhile
-                if not in_namespace(head, namespace):
-                    continue
+                if namespace is not None:
+                    try:
+                        with open(path, "rb") as f:
+                            head = f.read(_NS_END)
+                    except OSError:
+                        continue  # vanished meanwhile
+                    if not in_namespace(head, namespace):
+                        continue
                 if page_name(path.name) == path.name:  # named by its key: the backend's delete
                     names.append(path.name)
                 else:  # named by its key's hash (a key that is not hex): no key to give

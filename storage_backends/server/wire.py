@@ -39,6 +39,7 @@ class ErrorCode:
     BUSY = "busy"  # too many reply bytes held for this connection (or all): read the replies
     NO_SHM = "no_shm"  # shared memory the request needs is not there (see docs): map or attach
     PIN_LIMIT = "pin_limit"  # a pin past the pinned-bytes limit (--pin-share): nothing pinned
+    FORBIDDEN = "forbidden"  # a tenant token without the right (read, write, clear) asked for
 
 
 class ProtocolError(StorageError):

@@ -1,0 +1,263 @@
+"""Tenants on one `hicache-server` (`--tenants-file`): two tenants with the same keys and the same
+record namespace try every message type on each other's pages and get a miss or a refusal; the
+persistence directory keeps partitions apart across a restart; the tenants file is reloaded on
+SIGHUP and by the admin call, and a removed token is refused from the next request on."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache.errors import ConfigError
+from storage_backends.server import protocol as P
+from storage_backends.server.tenants import (
+    Tenants,
+    TenantsError,
+    parse_tenants,
+    partition_tag,
+)
+from tests.procs import wait_until
+from tests.storage_backends.conftest import NAMESPACE, buffers
+from tests.storage_backends.hicache_server_proc import (
+    HiCacheServerProc,
+    RawClient,
+    client_of,
+    codec,
+    hicache_server,
+    page_record,
+    pages,
+)
+
+TOK_A = "tenant-a-token-0001"
+TOK_A2 = "tenant-a-token-0002"
+TOK_B = "tenant-b-token-0001"
+TOK_A_READER = "tenant-a-reader-0001"
+ADMIN = "admin-token-000001"
+N = 6
+
+
+def tenants_toml(a_tokens: list[str]) -> str:
+    quoted = ", ".join(f'"{t}"' for t in a_tokens)
+    return f"""
+[tenants.team-a]
+tokens = [{quoted}]
+
+[tenants.team-b]
+rights = ["read", "write", "clear"]
+tokens = ["{TOK_B}"]
+
+[tenants.team-a-readers]
+namespace = "team-a"
+rights = ["read"]
+tokens = ["{TOK_A_READER}"]
+"""
+
+
+def write_tenants(path: Path, a_tokens: list[str]) -> Path:
+    path.write_text(tenants_toml(a_tokens))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
+    tfile = write_tenants(tmp_path / "tenants.toml", [TOK_A])
+    args = ["--tenants-file", str(tfile), "--admin-token", ADMIN]
+    with hicache_server(tmp_path, persist_dir=tmp_path / "persist", args=args) as srv:
+        yield srv
+
+
+@pytest.fixture
+def raw(server: HiCacheServerProc) -> Iterator[Any]:
+    made: list[RawClient] = []
+
+    def make(token: str) -> RawClient:
+        c = RawClient(server.url)
+        made.append(c)
+        c.token = token  # type: ignore[attr-defined]
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def ask(c: RawClient, req: P.Request) -> P.Message:
+    req.token = c.token  # type: ignore[attr-defined]
+    reply = c.call(req)
+    assert reply is not None, f"no reply to {req.TYPE}"
+    return reply
+
+
+def error_code(reply: P.Message) -> str:
+    assert isinstance(reply, P.ErrorReply), reply
+    return reply.code
+
+
+def test_two_tenants_with_the_same_keys_never_see_each_others_pages(
+        server: HiCacheServerProc, raw: Any) -> None:
+    keys, recs_a = pages("a", N, 1000)
+    # Other payloads under the same keys, in the same record namespace.
+    recs_b = [page_record(codec(1000), "a", i, version=1) for i in range(N)]
+    a, b = client_of(server.url, TOK_A), client_of(server.url, TOK_B)
+    try:
+        assert a.batch_set(keys, [memoryview(r) for r in recs_a]) == [True] * N
+        # B: exists, get (region path and TCP), stats: A's pages are absent.
+        assert b.batch_exists(keys) == 0
+        out = buffers(N, len(recs_a[0]))
+        assert b.batch_get(keys, out) == [False] * N
+        rb = raw(TOK_B)
+        assert ask(rb, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=rb.rid, count=0)
+        got = ask(rb, P.GetRequest(keys=keys))
+        assert isinstance(got, P.GetReply) and got.lengths == [-1] * N and got.frames == []
+        assert ask(rb, P.StatsRequest()) == P.StatsReply(request_id=rb.rid,
+                                                         stats={"pages": 0, "bytes": 0})
+        # B: delete, namespace clear and clear reach nothing of A's.
+        assert ask(rb, P.DeleteRequest(keys=keys)) == P.DeleteReply(request_id=rb.rid,
+                                                                    deleted=0)
+        ns = ask(rb, P.ClearNamespaceRequest(namespace=NAMESPACE.hex()))
+        assert ns == P.ClearNamespaceReply(request_id=rb.rid, deleted=0)
+        assert isinstance(ask(rb, P.ClearRequest()), P.ClearReply)
+        # The shared-memory store (it maps every partition) is refused to tenants.
+        for req in (P.MapStoreRequest(), P.ShmLocateRequest(arena_id=1, keys=keys),
+                    P.ShmReserveRequest(arena_id=1, lengths=[1128]),
+                    P.ShmCommitRequest(arena_id=1, keys=keys[:1], offsets=[0]),
+                    P.ShmReleaseRequest(arena_id=1, offsets=[0])):
+            assert error_code(ask(rb, req)) == P.ErrorCode.NO_SHM, req.TYPE
+        assert a.batch_exists(keys) == N
+        assert a.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs_a]
+        # B writes the same keys: its own pages, A's are not overwritten.
+        assert b.batch_set(keys, [memoryview(r) for r in recs_b]) == [True] * N
+        assert a.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs_a]
+        assert b.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs_b]
+        size = len(recs_b[0])
+        assert ask(rb, P.StatsRequest()) == P.StatsReply(
+            request_id=rb.rid, stats={"pages": N, "bytes": N * size})
+        # B's clear empties B's partition only.
+        assert ask(rb, P.ClearNamespaceRequest(namespace=NAMESPACE.hex())) == \
+            P.ClearNamespaceReply(request_id=rb.rid, deleted=N)
+        assert b.batch_exists(keys) == 0 and a.batch_exists(keys) == N
+    finally:
+        a.close()
+        b.close()
+
+
+def test_rights_and_unknown_tokens(server: HiCacheServerProc, raw: Any) -> None:
+    keys, recs = pages("a", N, 1000)
+    ra, reader, stranger = raw(TOK_A), raw(TOK_A_READER), raw("not-a-tenant-token-01")
+    stored = ask(ra, P.SetRequest(keys=keys, frames=[bytes(r) for r in recs]))
+    assert stored == P.SetReply(request_id=ra.rid, stored=[True] * N)
+    # A read-only tenant of the same partition reads A's pages and can change nothing.
+    got = ask(reader, P.GetRequest(keys=keys))
+    assert isinstance(got, P.GetReply) and [bytes(f) for f in got.frames] == \
+        [bytes(r) for r in recs]
+    for req in (P.SetRequest(keys=keys[:1], frames=[bytes(recs[0])]),
+                P.DeleteRequest(keys=keys), P.ClearRequest(),
+                P.ClearNamespaceRequest(namespace=NAMESPACE.hex())):
+        assert error_code(ask(reader, req)) == P.ErrorCode.FORBIDDEN, req.TYPE
+    for req in (P.PingRequest(), P.ExistsRequest(keys=keys), P.GetRequest(keys=keys),
+                P.StatsRequest()):
+        assert error_code(ask(stranger, req)) == P.ErrorCode.UNAUTHORIZED, req.TYPE
+    # A tenant token is no admin token.
+    assert error_code(ask(ra, P.ReloadTenantsRequest())) == P.ErrorCode.UNAUTHORIZED
+    assert ask(ra, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=ra.rid, count=N)
+    # The backend names a wrong token at start-up.
+    with pytest.raises(ConfigError, match="unknown tenant token"):
+        client_of(server.url, "not-a-tenant-token-01")
+
+
+def test_partitions_survive_a_restart_and_files_name_their_partition(
+        server: HiCacheServerProc, raw: Any, tmp_path: Path) -> None:
+    keys, recs = pages("a", N, 1000)
+    ra = raw(TOK_A)
+    assert ask(ra, P.SetRequest(keys=keys, frames=[bytes(r) for r in recs])) == \
+        P.SetReply(request_id=ra.rid, stored=[True] * N)
+    server.restart()
+    ra2, rb = raw(TOK_A), raw(TOK_B)
+    assert ask(rb, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=rb.rid, count=0)
+    got = ask(ra2, P.GetRequest(keys=keys))
+    assert isinstance(got, P.GetReply) and [bytes(f) for f in got.frames] == \
+        [bytes(r) for r in recs]
+    names = sorted(p.name for p in (tmp_path / "persist").rglob("*") if p.is_file()
+                   and not p.name.endswith((".json", ".tmp")))
+    tag = partition_tag("team-a")
+    assert names == sorted(tag + k for k in keys)
+
+
+def test_rotation_by_sighup_and_by_the_admin_call(server: HiCacheServerProc, raw: Any,
+                                                  tmp_path: Path) -> None:
+    keys, recs = pages("a", N, 1000)
+    old = raw(TOK_A)
+    assert ask(old, P.SetRequest(keys=keys, frames=[bytes(r) for r in recs])) == \
+        P.SetReply(request_id=old.rid, stored=[True] * N)
+    tfile = tmp_path / "tenants.toml"
+    # Add the new token next to the old one: both work.
+    write_tenants(tfile, [TOK_A, TOK_A2])
+    assert server.proc is not None and server.proc.proc is not None
+    os.kill(server.proc.proc.pid, signal.SIGHUP)
+    new = raw(TOK_A2)
+    wait_until(lambda: isinstance(ask(new, P.PingRequest()), P.PingReply),
+               what="the new token accepted after SIGHUP")
+    assert ask(new, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=new.rid, count=N)
+    # Remove the old one with the admin call: refused from the next request; nothing lost.
+    write_tenants(tfile, [TOK_A2])
+    admin = raw(ADMIN)
+    reply = ask(admin, P.ReloadTenantsRequest())
+    assert reply == P.ReloadTenantsReply(
+        request_id=admin.rid, summary="3 tenants, 3 tokens (0 added, 1 removed)")
+    assert error_code(ask(old, P.ExistsRequest(keys=keys))) == P.ErrorCode.UNAUTHORIZED
+    got = ask(new, P.GetRequest(keys=keys))
+    assert isinstance(got, P.GetReply) and [bytes(f) for f in got.frames] == \
+        [bytes(r) for r in recs]
+    # A file that does not load changes nothing, and says why (no token in the message).
+    tfile.write_text('[tenants.x]\ntokens = ["short"]\n')
+    bad = ask(admin, P.ReloadTenantsRequest())
+    assert isinstance(bad, P.ErrorReply) and "at least 16 characters" in bad.message
+    assert ask(new, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=new.rid, count=N)
+    assert TOK_A2 not in server.log() and TOK_A not in server.log()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('[tenants.a]\ntokens = []\n', "tokens must be a non-empty list"),
+    ('[tenants.a]\ntokens = ["0123456789abcdef"]\nrights = ["admin"]\n', "unknown right"),
+    ('[tenants.a]\ntokens = ["0123456789abcdef"]\n[tenants.b]\ntokens = ["0123456789abcdef"]\n',
+     "also a token of tenant 'a'"),
+    ('[tenant.a]\ntokens = ["0123456789abcdef"]\n', "unknown top-level key"),
+    ('[tenants.a]\ntokens = ["0123456789abcdef"]\nnamspace = "x"\n', "unknown key(s)"),
+    ('tokens = "0123456789abcdef', "not valid TOML"),
+])
+def test_bad_tenants_files_are_refused_without_quoting_tokens(
+        tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(TenantsError) as e:
+        Tenants(path)
+    assert problem in str(e.value)
+    assert "0123456789abcdef" not in str(e.value)
+
+
+def test_the_admin_token_is_no_tenant_token_and_keys_stay_apart(tmp_path: Path) -> None:
+    path = write_tenants(tmp_path / "t.toml", [TOK_A])
+    with pytest.raises(TenantsError, match="equals the admin token"):
+        Tenants(path, admin_token=TOK_A)
+    table = parse_tenants({"tenants": {"a": {"tokens": [TOK_A]}, "b": {"tokens": [TOK_B]}}})
+    ta, tb = sorted(table.values(), key=lambda t: t.name)
+    key = "ab" * 32
+    assert ta.key(key) == partition_tag("a") + key != tb.key(key)
+    assert len(ta.key("not hex")) == 16 + 64 and ta.owns(ta.key("not hex"))
+
+
+def test_server_refuses_a_tenants_file_with_a_shared_token(tmp_path: Path) -> None:
+    from storage_backends.server.cli import config_from_args
+
+    path = write_tenants(tmp_path / "t.toml", [TOK_A])
+    with pytest.raises(SystemExit):
+        config_from_args(["--tenants-file", str(path), "--auth-token", "x" * 16])
