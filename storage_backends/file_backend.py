@@ -46,7 +46,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -132,6 +132,9 @@ class FileBackend(StorageBackend):
         self._fan_out = ReadFanOut(self.read_threads, auto=fan_out == "auto")
         self.direct_reads = 0  # reads done with O_DIRECT (for tests and tuning)
         self.direct_writes = 0
+        # Page names the byte cap never evicts (hicache-server's pinned pages); a write that
+        # could only fit by evicting one of them is refused instead.
+        self.keep: Callable[[str], bool] | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -249,22 +252,31 @@ class FileBackend(StorageBackend):
             pages, nbytes = len(self._index), self._bytes
         self._set_gauge(stored_pages=pages, stored_bytes=nbytes)
 
-    def _make_room(self, name: str, size: int) -> list[str]:
-        """Pick LRU victims so that `size` more bytes fit; caller holds the lock."""
+    def _make_room(self, name: str, size: int) -> list[str] | None:
+        """Pick LRU victims so that `size` more bytes fit (None: they cannot without evicting
+        a page `keep` names); caller holds the lock."""
         victims: list[str] = []
         if not self.capacity_bytes:
             return victims
         budget = self._bytes - self._index.get(name, 0) + size
+        keep = self.keep
         for victim in self._index:
             if budget <= self.capacity_bytes:
                 break
-            if victim == name:
+            if victim == name or (keep is not None and keep(victim)):
                 continue
             victims.append(victim)
             budget -= self._index[victim]
+        if budget > self.capacity_bytes:
+            return None
         for v in victims:
             self._index_drop(v)
         return victims
+
+    def known_pages(self) -> list[tuple[str, int]]:
+        """(file path, bytes) of every page this object knows, least recently used first."""
+        with self._lock:
+            return [(self._file(name), n) for name, n in self._index.items()]
 
     # -- the contract ---------------------------------------------------------------------
 
@@ -374,6 +386,10 @@ class FileBackend(StorageBackend):
                 continue
             with self._lock:
                 victims = self._make_room(name, size)
+            if victims is None:
+                logger.debug("file backend: no room for page %s but kept pages", key[:16])
+                ok.append(False)
+                continue
             evicted += self._unlink_all(victims)
             shard = self._shard(name)
             try:

@@ -68,6 +68,43 @@ def _set_parent_death_signal() -> None:
         logger.debug("prctl unavailable; relying on the parent-pid check")
 
 
+def l3_decision(cache: Any, match_len: int, cached: int, page_size: int) -> dict[str, Any]:
+    """Whether a request for a prompt of `match_len` reusable tokens, `cached` of them on
+    device or host here, would ask L3 for the rest (`hicache.prefetch.Prefetcher.start`'s
+    rules, without starting anything): `prefetch`, the `gap_tokens` it would ask, the
+    `floor_tokens` it is held against, and `reason` when it would not."""
+    from hicache.config import DEFAULT_PREFETCH_THRESHOLD
+    from hicache.prefetch import PREFETCH_MIN_SAVING_S
+
+    gap = max(0, match_len // page_size * page_size - cached)
+    out: dict[str, Any] = {"prefetch": False, "gap_tokens": gap, "floor_tokens": None,
+                           "reason": None}
+    pf = getattr(cache, "prefetcher", None)
+    if pf is None or not getattr(cache, "has_storage", False):
+        out["reason"] = "no L3 storage backend attached"
+        return out
+    floor = pf.c.config.prefetch_threshold
+    out["floor_tokens"] = DEFAULT_PREFETCH_THRESHOLD if floor is None else floor
+    if gap <= 0:
+        out["reason"] = "nothing beyond what device and host hold"
+    elif not pf.c.controller.storage_usable():
+        out["reason"] = "L3 is backing off after errors"
+    elif floor is not None and gap < floor:
+        out["reason"] = f"the {gap}-token gap is under prefetch_threshold ({floor} tokens)"
+    elif floor is None and gap < DEFAULT_PREFETCH_THRESHOLD:
+        cost = pf.c.controller.cost
+        saving = None if cost is None else cost.load_saving("storage", gap)
+        if saving is None or saving < PREFETCH_MIN_SAVING_S:
+            out["reason"] = (
+                f"the {gap}-token gap is under the {DEFAULT_PREFETCH_THRESHOLD}-token prefetch "
+                f"floor and loading it is not expected to save {PREFETCH_MIN_SAVING_S * 1000:g} "
+                "ms (prefetch_threshold sets the floor)")
+    if out["reason"] is None and pf._allowance() <= 0:  # noqa: SLF001
+        out["reason"] = "the host share for prefetches is in use"
+    out["prefetch"] = out["reason"] is None
+    return out
+
+
 @dataclass
 class _Bandwidth:
     """GB/s samples from the deltas of the cache's transfer counters."""
@@ -229,7 +266,9 @@ class SchedulerProcess:
                 ns = getattr(e.cache, "namespace", None)
                 return resp(tokens=len(ids), match_len=n, device_tokens=m.device_tokens,
                             host_tokens=m.host_tokens, page_size=e.args.page_size,
-                            namespace=ns.hex() if ns else None, storage_backend=self.backend)
+                            namespace=ns.hex() if ns else None, storage_backend=self.backend,
+                            l3=l3_decision(e.cache, n, m.device_tokens + m.host_tokens,
+                                           e.args.page_size))
             if op == "flush_cache":
                 if not e.flush_cache():
                     return resp(409, "requests are in flight; flush the cache when idle")

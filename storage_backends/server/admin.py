@@ -2,8 +2,10 @@
 
 - **Pins** (`Pins`, the admin's `pin` / `unpin`): a pinned page is never evicted by capacity
   pressure (`PageStore` skips it). A pin may carry a lease (a TTL): it ends on its own. Pins
-  are bounded: the pinned pages together hold at most `limit_bytes` (a share of `--capacity`,
-  `--pin-share`); a pin past it is refused whole. With `--persist-dir` they are kept in
+  are bounded: the pinned pages together hold at most `limit_bytes` (`--pin-share` of
+  `--capacity`, or of `--persist-capacity` when that is smaller); a pin past it is refused
+  whole. With persistence the disk tier's byte cap never evicts a pinned page's file either
+  (a page written while only pinned files could make room is not persisted). With `--persist-dir` they are kept in
   `pins.json` there (rewritten, atomically, on every change) and come back with the store
   after a restart: the pinned pages are read back into memory at start-up.
 - **Read leases** (`ReadLeases`, the data path): a record located in the shared-memory store
@@ -12,8 +14,9 @@
   anchor). A leased record is never evicted; one deleted, cleared or overwritten meanwhile
   leaves the store's map at once (later reads miss, or see the new value) but its blocks are
   freed only when its last lease ends, so the bytes a reader is copying are never reused.
-- **Namespaces** (`NamespaceCounters`): hits by the namespace their record names, misses by the
-  namespace the connection declared (`bind_namespace`), for the admin's `stats`.
+- **Namespaces** (`NamespaceCounters`): hits (memory or disk) by the namespace their record
+  names, misses by the namespace the connection declared (`bind_namespace`), for the admin's
+  `stats`; pages and bytes per namespace in memory and on disk (`namespace_rows`).
 
 Everything here belongs to the server's request thread (no locks of its own).
 """
@@ -65,6 +68,10 @@ class Pins:
     def keys(self) -> list[str]:
         return list(self._until)
 
+    def items(self) -> list[tuple[str, float]]:
+        """(key, wall-clock end of its lease; 0: none) of every pin."""
+        return list(self._until.items())
+
     def holds(self, key: str, now: float | None = None) -> bool:
         """Whether `key` is pinned now (a lease that ended does not hold)."""
         until = self._until.get(key)
@@ -80,6 +87,8 @@ class Pins:
             del self._until[k]
         if gone:
             self.expired += len(gone)
+            logger.info("%d pins' leases ended (first: %s); their pages may be evicted now",
+                        len(gone), gone[0][:16])
             self._save()
         return gone
 
@@ -93,7 +102,8 @@ class Pins:
         if total > self.limit_bytes:
             raise PinLimit(
                 f"pinning {len(present)} pages would pin {total} bytes in all; the limit is "
-                f"{self.limit_bytes} bytes (--pin-share of --capacity): unpin others first")
+                f"{self.limit_bytes} bytes (--pin-share of --capacity, or of "
+                "--persist-capacity when smaller): unpin others first")
         until = time.time() + ttl_s if ttl_s > 0 else 0.0
         for k in present:
             self._until[k] = until
@@ -258,17 +268,19 @@ class NamespaceCounters:
 
 
 def namespace_rows(
-    held: Iterable[tuple[str, str, int]], pins: Pins, counters: NamespaceCounters
+    held: Iterable[tuple[str, str, int]], pins: Pins, counters: NamespaceCounters,
+    disk: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Per namespace: pages, bytes, pinned pages and bytes, hits, misses. `held`: (key,
-    namespace, bytes) of every page in memory."""
+    """Per namespace: pages, bytes (in memory), disk pages and bytes, pinned pages and bytes,
+    hits (either tier), misses. `held`: (key, namespace, bytes) of every page in memory;
+    `disk`: namespace -> (pages, bytes) persisted."""
     rows: dict[str, dict[str, int]] = {}
 
     def row(ns: str) -> dict[str, int]:
         r = rows.get(ns)
         if r is None:
-            r = rows[ns] = {"pages": 0, "bytes": 0, "pinned_pages": 0, "pinned_bytes": 0,
-                            "hits": 0, "misses": 0}
+            r = rows[ns] = {"pages": 0, "bytes": 0, "disk_pages": 0, "disk_bytes": 0,
+                            "pinned_pages": 0, "pinned_bytes": 0, "hits": 0, "misses": 0}
         return r
 
     now = time.time()
@@ -279,8 +291,11 @@ def namespace_rows(
         if pins.holds(key, now):
             r["pinned_pages"] += 1
             r["pinned_bytes"] += n
-    for ns, n in counters.hits.items():
+    for ns, (pages, nbytes) in (disk or {}).items():
+        r = row(ns)
+        r["disk_pages"], r["disk_bytes"] = pages, nbytes
+    for ns, n in list(counters.hits.items()):
         row(ns)["hits"] = n
-    for ns, n in counters.misses.items():
+    for ns, n in list(counters.misses.items()):
         row(ns)["misses"] = n
     return rows

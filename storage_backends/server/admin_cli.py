@@ -2,8 +2,9 @@
 keep or drop.
 
     hicache-admin [--url URL] [--admin-token T] lookup  PROMPT [--engine URL]... [--json]
-    hicache-admin ... pin    PROMPT [--ttl SECONDS]
+    hicache-admin ... pin    PROMPT [--ttl SECONDS] [--allow-partial]
     hicache-admin ... unpin  PROMPT
+    hicache-admin ... pins   [--json]
     hicache-admin ... clear  (--namespace HEX | --all)
     hicache-admin ... stats  [--json]
 
@@ -12,29 +13,34 @@ first `--engine`) or `--token-ids 1,2,3`, with `--extra-key` / `--cache-salt` as
 name them. A prompt's page keys need the engines' namespace and page size: from the first
 `--engine` (its `/hicache/lookup`), or `--namespace` and `--page-size`. The server's admin API
 takes the admin token (`--admin-token` or env `HICACHE_SERVER_ADMIN_TOKEN`); without it every
-command is refused. Exit status: 0 done, 1 refused or failed (the reason on stderr), 2 usage.
+command is refused. An engine started with `--api-key` takes `--engine-api-key` (env
+`HICACHE_ENGINE_API_KEY`). Exit status: 0 done, 1 refused or failed (the reason on stderr, one
+line), 2 usage (one line).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import zmq
 
 from hicache.keys import page_keys, request_seed
+from storage_backends.server import admin_protocol as A
 from storage_backends.server import protocol as P
 from storage_backends.server.cli import ADMIN_ENV, DEFAULT_PORT
 
 R = TypeVar("R", bound=P.Reply)
 URL_ENV = "HICACHE_SERVER_URL"
+ENGINE_KEY_ENV = "HICACHE_ENGINE_API_KEY"
 
 
 class AdminError(Exception):
@@ -49,7 +55,11 @@ class AdminClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(url)
+        try:
+            self._sock.connect(url)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            raise AdminError(f"--url {url}: {e}") from None
         self._ids = 0
 
     def call(self, req: P.Request, kind: type[R]) -> R:
@@ -74,19 +84,25 @@ class AdminClient:
         self._sock.close(linger=0)
 
 
-def engine_lookup(url: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
-    """An engine's `POST /hicache/lookup`."""
-    req = urllib.request.Request(url.rstrip("/") + "/hicache/lookup",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def engine_lookup(url: str, body: dict[str, Any], timeout_s: float = 30.0,
+                  api_key: str | None = None) -> dict[str, Any]:
+    """An engine's `POST /hicache/lookup` (`api_key`: the engine's `--api-key`)."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     try:
+        req = urllib.request.Request(url.rstrip("/") + "/hicache/lookup",
+                                     data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             out: dict[str, Any] = json.loads(r.read())
             return out
     except urllib.error.HTTPError as e:
-        raise AdminError(f"{url}/hicache/lookup: HTTP {e.code}: {e.read().decode()[:300]}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise AdminError(f"{url}/hicache/lookup: {e}") from e
+        hint = " (the engine's --api-key: pass --engine-api-key or set " \
+            f"{ENGINE_KEY_ENV})" if e.code == 401 else ""
+        text = " ".join(e.read().decode(errors="replace").split())[:300]
+        raise AdminError(f"{url}/hicache/lookup: HTTP {e.code}: {text}{hint}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise AdminError(f"{url}/hicache/lookup: {e}") from None
 
 
 @dataclass
@@ -138,15 +154,15 @@ def resolve_prompt(a: argparse.Namespace) -> Prompt:
         body: dict[str, Any] = {"input_ids": ids} if ids is not None else {"text": a.text}
         body.update({k: v for k, v in (("extra_key", a.extra_key),
                                        ("cache_salt", a.cache_salt)) if v is not None})
-        out = engine_lookup(url, body)
+        out = engine_lookup(url, body, api_key=a.engine_api_key)
         ids = ids if ids is not None else list(out["input_ids"])
         engines.append((url, out))
     assert ids is not None
     ns, ps = a.namespace, a.page_size
     if engines:
         first = engines[0][1]
-        ns = ns or first.get("namespace")
-        ps = ps or first.get("page_size")
+        ns = ns if ns is not None else first.get("namespace")
+        ps = ps if ps is not None else first.get("page_size")
     if not ns or not ps:
         raise AdminError("a prompt's page keys need --engine URL, or --namespace and --page-size")
     return Prompt(ids, ns, int(ps), _extra_key(a), engines)
@@ -159,17 +175,41 @@ def _table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
+def engine_reuse(o: dict[str, Any], server_reusable: int, same_namespace: bool
+                 ) -> tuple[int, str | None]:
+    """The tokens the engine's next request for the prompt reuses (device, host, then what it
+    reads from the server), and why it reads less from the server than the server holds."""
+    local = o["device_tokens"] + o["host_tokens"]
+    extra = max(0, server_reusable - local)
+    l3 = o.get("l3")
+    if not extra:
+        return local, None
+    if not same_namespace:
+        return local, "the engine's namespace is not the one looked up"
+    if l3 is None:  # an engine from before l3 decisions: it may read them
+        return local + extra, None
+    if not l3["prefetch"]:
+        return local, f"{extra} tokens held by the server are not read: {l3['reason']}"
+    return local + extra, None
+
+
 def cmd_lookup(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
     p = resolve_prompt(a)
     r = c.call(P.AdminLookupRequest(keys=p.keys), P.AdminLookupReply)
+    reusable = min(r.count, p.reusable_pages) * p.page_size
+    engines = []
+    for url, o in p.engines:
+        same = o.get("namespace") in (None, p.namespace)
+        n, why = engine_reuse(o, reusable, same)
+        engines.append({"url": url, "device_tokens": o["device_tokens"],
+                        "host_tokens": o["host_tokens"], "namespace": o.get("namespace"),
+                        "reused_tokens": n, "why_not_server": why, "l3": o.get("l3")})
     return {
         "namespace": p.namespace, "page_size": p.page_size, "prompt_tokens": len(p.ids),
         "server": {"pages": r.count, "tokens": r.count * p.page_size,
                    "in_memory_pages": r.in_memory, "pinned_pages": r.pinned,
-                   "reusable_tokens": min(r.count, p.reusable_pages) * p.page_size},
-        "engines": [{"url": url, "device_tokens": o["device_tokens"],
-                     "host_tokens": o["host_tokens"], "namespace": o.get("namespace")}
-                    for url, o in p.engines],
+                   "reusable_tokens": reusable},
+        "engines": engines,
     }
 
 
@@ -184,15 +224,26 @@ def show_lookup(out: dict[str, Any]) -> str:
         other = "" if e["namespace"] in (None, out["namespace"]) else \
             f" (another namespace: {e['namespace']})"
         lines.append(f"engine {e['url']}: device {e['device_tokens']} tokens, host "
-                     f"{e['host_tokens']} tokens{other}")
+                     f"{e['host_tokens']} tokens{other}; its next request reuses "
+                     f"{e['reused_tokens']} tokens")
+        if e["why_not_server"]:
+            lines.append(f"  ({e['why_not_server']})")
     return "\n".join(lines)
 
 
 def cmd_pin(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
     p = resolve_prompt(a)
-    if a.ttl is not None and a.ttl <= 0:
-        raise AdminError("--ttl must be > 0 seconds (leave it out for a pin without a lease)")
-    r = c.call(P.PinRequest(keys=p.keys, ttl_ms=int((a.ttl or 0) * 1000)), P.PinReply)
+    keys = p.keys
+    if not keys:
+        raise AdminError(f"the prompt ({len(p.ids)} tokens) has no full page of "
+                         f"{p.page_size} tokens: nothing to pin")
+    r = c.call(P.PinRequest(keys=keys, ttl_ms=max(1, round(a.ttl * 1000)) if a.ttl else 0,
+                            require_all=not a.allow_partial), P.PinReply)
+    if r.pinned == 0 or (r.absent and not a.allow_partial):
+        raise AdminError(
+            f"pin refused: the server holds {len(keys) - r.absent} of the prompt's {len(keys)} "
+            f"pages, pinned {r.pinned}" + ("" if a.allow_partial else
+                                           " (--allow-partial pins the ones held)"))
     return {"pinned": r.pinned, "absent": r.absent, "pinned_bytes": r.pinned_bytes,
             "limit_bytes": r.limit_bytes, "ttl_s": a.ttl}
 
@@ -216,19 +267,44 @@ def cmd_clear(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
     return {"namespace": a.namespace or "*", "deleted": r.deleted, "unpinned": r.unpinned}
 
 
+def cmd_pins(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
+    r = c.call(A.AdminPinsRequest(), A.AdminPinsReply)
+    pins = [{"key": k, "namespace": ns, "bytes": n,
+             "ttl_left_s": None if ms < 0 else ms / 1000}
+            for k, ns, n, ms in zip(r.keys, r.namespaces, r.sizes, r.ttl_left_ms)]
+    return {"pins": sorted(pins, key=lambda x: (x["namespace"], x["key"])),
+            "limit_bytes": r.limit_bytes}
+
+
+def show_pins(out: dict[str, Any]) -> str:
+    pins = out["pins"]
+    rows = [["namespace", "key", "bytes", "ttl_left_s"]]
+    for x in pins:
+        ttl = "-" if x["ttl_left_s"] is None else f"{x['ttl_left_s']:.0f}"
+        rows.append([x["namespace"] if x["namespace"] == "-" else x["namespace"][:16],
+                     x["key"][:16], str(x["bytes"]), ttl])
+    held = sum(max(x["bytes"], 0) for x in pins)
+    tail = f"{len(pins)} pins, {held} of at most {out['limit_bytes']} bytes"
+    return (_table(rows) + "\n" + tail) if pins else tail
+
+
 def cmd_stats(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
     r = c.call(P.AdminStatsRequest(), P.AdminStatsReply)
     return {"namespaces": r.namespaces, "totals": r.totals}
 
 
 def show_stats(out: dict[str, Any]) -> str:
-    cols = ["pages", "bytes", "hits", "misses", "pinned_pages", "pinned_bytes"]
+    cols = ["pages", "bytes", "disk_pages", "disk_bytes", "hits", "misses", "pinned_pages",
+            "pinned_bytes"]
     rows = [["namespace", *cols]]
     for ns, r in sorted(out["namespaces"].items()):
         rows.append([ns if ns == "-" else ns[:16], *(str(r.get(k, 0)) for k in cols)])
     t = out["totals"]
-    rows.append(["total", *(str(t.get(k, 0)) for k in ("pages", "bytes", "hits", "misses",
-                                                       "pinned_pages", "pinned_bytes"))])
+    disk = [sum(r.get(k, 0) for r in out["namespaces"].values())
+            for k in ("disk_pages", "disk_bytes")]
+    rows.append(["total", *(str(t.get(k, 0)) for k in ("pages", "bytes")), *map(str, disk),
+                 *(str(t.get(k, 0)) for k in ("hits", "misses", "pinned_pages",
+                                              "pinned_bytes"))])
     return _table(rows) + (f"\ncapacity {t.get('capacity_bytes', 0)} bytes, pin limit "
                            f"{t.get('pin_limit_bytes', 0)} bytes, read leases "
                            f"{t.get('read_leases', 0)}, evictions {t.get('evictions', 0)}")
@@ -240,17 +316,85 @@ COMMANDS = {
     "unpin": (cmd_unpin, lambda o: f"unpinned {o['unpinned']} pages"),
     "clear": (cmd_clear, lambda o: f"cleared {o['namespace']}: {o['deleted']} pages deleted, "
                                    f"{o['unpinned']} pins dropped"),
+    "pins": (cmd_pins, show_pins),
     "stats": (cmd_stats, show_stats),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line (`hicache-admin: ...`), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: an integer, not {text!r}") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {n}")
+        return n
+    return parse
+
+
+def _ttl(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ttl: seconds, not {text!r}") from None
+    if not math.isfinite(s) or s <= 0:
+        raise argparse.ArgumentTypeError(
+            f"--ttl must be a finite number of seconds > 0, got {text} (leave it out for a pin "
+            "without a lease)")
+    if s * 1000 >= 2**63:
+        raise argparse.ArgumentTypeError(f"--ttl {text}: too long")
+    return s
+
+
+def _namespace(text: str) -> str:
+    ns = text.strip().lower()
+    if len(ns) != 64 or ns.strip("0123456789abcdef"):
+        raise argparse.ArgumentTypeError(
+            f"--namespace: 64 hex characters (a 32-byte seed; `stats` lists them), got {text!r}")
+    return ns
+
+
+def _url(text: str) -> str:
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc") or not rest:
+        raise argparse.ArgumentTypeError(
+            f"--url: the server's ZeroMQ endpoint, tcp://HOST:PORT (or ipc://PATH), got {text!r}"
+            " (an engine's http:// URL goes to --engine)")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"--url: tcp://HOST:PORT, got {text!r}")
+    return text
+
+
+def _engine_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"--engine: an engine's HTTP URL (http://HOST:PORT), got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache-admin", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=os.environ.get(URL_ENV, f"tcp://127.0.0.1:{DEFAULT_PORT}"),
-                   help=f"the server (default: env {URL_ENV} or %(default)s)")
+    p = _Parser(prog="hicache-admin", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", type=_url,
+                   default=os.environ.get(URL_ENV, f"tcp://127.0.0.1:{DEFAULT_PORT}"),
+                   help=f"the server's endpoint, tcp://HOST:PORT (default: env {URL_ENV} or "
+                        "%(default)s)")
     p.add_argument("--admin-token", default=None,
                    help=f"the server's --admin-token (default: env {ADMIN_ENV})")
-    p.add_argument("--timeout-ms", type=int, default=5000, help="longest wait for a reply")
+    p.add_argument("--engine-api-key", default=os.environ.get(ENGINE_KEY_ENV),
+                   help=f"the engines' --api-key, sent to --engine URLs (default: env "
+                        f"{ENGINE_KEY_ENV})")
+    p.add_argument("--timeout-ms", type=_positive_int("--timeout-ms"), default=5000,
+                   help="longest wait for a reply, milliseconds (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -259,9 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--text", help="the prompt as text (tokenized with --model or --engine)")
         g.add_argument("--token-ids", help="the prompt as token ids: 1,2,3")
         sp.add_argument("--model", help="model path or demo name whose tokenizer to use")
-        sp.add_argument("--engine", action="append", help="an engine's HTTP URL (repeatable)")
-        sp.add_argument("--namespace", help="the engines' L3 namespace (64 hex)")
-        sp.add_argument("--page-size", type=int, help="the engines' page size")
+        sp.add_argument("--engine", action="append", type=_engine_url,
+                        help="an engine's HTTP URL (repeatable)")
+        sp.add_argument("--namespace", type=_namespace,
+                        help="the engines' L3 namespace (64 hex)")
+        sp.add_argument("--page-size", type=_positive_int("--page-size"),
+                        help="the engines' page size (tokens)")
         sp.add_argument("--extra-key", help="the requests' extra_key")
         sp.add_argument("--cache-salt", help="the requests' cache_salt")
         sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
@@ -269,10 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_args(sub.add_parser("lookup", help="how much of a prompt the server and engines hold"))
     pin = sub.add_parser("pin", help="keep a prompt's pages from eviction (optionally leased)")
     prompt_args(pin)
-    pin.add_argument("--ttl", type=float, help="seconds until the pin ends on its own")
+    pin.add_argument("--ttl", type=_ttl, help="seconds until the pin ends on its own")
+    pin.add_argument("--allow-partial", action="store_true",
+                     help="pin the prompt's pages the server holds even when some are not "
+                          "(else nothing is pinned and the exit status is 1)")
     prompt_args(sub.add_parser("unpin", help="end a prompt's pins"))
+    pins = sub.add_parser("pins", help="list the pins: namespace, key, bytes, lease left")
+    pins.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     clear = sub.add_parser("clear", help="delete one namespace's pages, or all (--all)")
-    clear.add_argument("--namespace", help="the namespace to clear (64 hex, from stats)")
+    clear.add_argument("--namespace", type=_namespace,
+                       help="the namespace to clear (64 hex, from stats)")
     clear.add_argument("--all", action="store_true", help="every page of the server")
     clear.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     st = sub.add_parser("stats", help="pages, bytes, hits, misses, pins per namespace")
@@ -288,15 +441,23 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     run, show = COMMANDS[a.command]
-    client = AdminClient(a.url, token, a.timeout_ms)
     try:
-        out = run(client, a)
+        client = AdminClient(a.url, token, a.timeout_ms)
+        try:
+            out = run(client, a)
+        finally:
+            client.close()
     except AdminError as e:
         print(f"hicache-admin: {e}", file=sys.stderr)
         return 1
-    finally:
-        client.close()
-    print(json.dumps(out, indent=2, sort_keys=True) if a.json else show(out))
+    try:
+        print(json.dumps(out, indent=2, sort_keys=True) if a.json else show(out))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`): no traceback, and no second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("hicache-admin: output closed early (broken pipe)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from storage_backends.server import admin_protocol as A
 from storage_backends.server import protocol as P
-from storage_backends.server.admin import PinLimit, namespace_rows
+from storage_backends.server.admin import PinLimit
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def execute(server: Any, req: P.Request, ident: bytes) -> P.Reply | None:
         if req.ttl_ms < 0:
             raise P.ProtocolError(P.ErrorCode.MALFORMED, "ttl_ms must be >= 0", rid)
         try:
-            pinned, absent = tiers.pin(req.keys, req.ttl_ms)
+            pinned, absent = tiers.pin(req.keys, req.ttl_ms, require_all=req.require_all)
         except PinLimit as e:
             raise P.ProtocolError(P.ErrorCode.PIN_LIMIT, str(e), rid) from None
         logger.info("admin: pinned %d pages (%d absent)%s", pinned, absent,
@@ -54,6 +55,12 @@ def execute(server: Any, req: P.Request, ident: bytes) -> P.Reply | None:
                         deleted, unpinned)
         return P.AdminClearReply(request_id=rid, deleted=deleted, unpinned=unpinned)
     if isinstance(req, P.AdminStatsRequest):
-        rows = namespace_rows(tiers.store.held(), tiers.pins, tiers.namespaces)
-        return P.AdminStatsReply(request_id=rid, namespaces=rows, totals=server.stats())
+        return P.AdminStatsReply(request_id=rid, namespaces=tiers.namespace_rows(),
+                                 totals=server.stats())
+    if isinstance(req, A.AdminPinsRequest):
+        pins = tiers.pin_list()
+        return A.AdminPinsReply(
+            request_id=rid, keys=[p[0] for p in pins], namespaces=[p[1] for p in pins],
+            sizes=[p[2] for p in pins], ttl_left_ms=[p[3] for p in pins],
+            limit_bytes=tiers.pins.limit_bytes)
     return None

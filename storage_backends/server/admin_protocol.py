@@ -77,11 +77,13 @@ class AdminLookupReply(Reply):
 
 @dataclass
 class PinRequest(Request):
-    """Pin the pages of `keys` that are held; `ttl_ms` > 0: the pin ends on its own then."""
+    """Pin the pages of `keys` that are held; `ttl_ms` > 0: the pin ends on its own then.
+    `require_all`: pin nothing unless every page is held (the reply says how many are not)."""
 
     TYPE: ClassVar[str] = "pin"
     keys: list[str] = field(default_factory=list)
     ttl_ms: int = 0
+    require_all: bool = False
 
 
 @dataclass
@@ -143,10 +145,30 @@ class AdminStatsReply(Reply):
     totals: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class AdminPinsRequest(Request):
+    TYPE: ClassVar[str] = "admin_pins"
+
+
+@dataclass
+class AdminPinsReply(Reply):
+    """One entry per pin in each list: `keys`, `namespaces` (64 hex; "-": not in memory or not
+    a record), `sizes` (bytes; -1: not in memory), `ttl_left_ms` (-1: until unpinned);
+    `limit_bytes`: the pin limit."""
+
+    TYPE: ClassVar[str] = "admin_pins_ok"
+    keys: list[str] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    ttl_left_ms: list[int] = field(default_factory=list)
+    limit_bytes: int = 0
+
+
 ADMIN_REQUESTS: tuple[type[Request], ...] = (
-    AdminLookupRequest, PinRequest, UnpinRequest, AdminClearRequest, AdminStatsRequest)
+    AdminLookupRequest, PinRequest, UnpinRequest, AdminClearRequest, AdminStatsRequest,
+    AdminPinsRequest)
 REQUESTS: tuple[type[Request], ...] = (BindNamespaceRequest, ShmReleaseRequest, *ADMIN_REQUESTS)
 REPLIES: tuple[type[Reply], ...] = (
     BindNamespaceReply, ShmReleaseReply, AdminLookupReply, PinReply, UnpinReply,
-    AdminClearReply, AdminStatsReply)
+    AdminClearReply, AdminStatsReply, AdminPinsReply)
 ADMIN_TYPES = frozenset(c.TYPE for c in ADMIN_REQUESTS)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
+from storage_backends.server.admin import namespace_rows
 from storage_backends.server.store import PageStore, WriteBehind
+
+if TYPE_CHECKING:
+    from storage_backends.server.tiers import Tiers
 
 
 class _Config(Protocol):
@@ -27,6 +32,36 @@ class Observed(Protocol):
     @property
     def connected_clients(self) -> int: ...
 
+    @property
+    def tiers(self) -> Tiers: ...
+
+
+class NamespaceCollector:
+    """`hicache_server_namespace_pages` / `_bytes` {namespace, tier=memory|disk}, read at each
+    scrape (memory: the store's map; disk: the persisted files' index, each header read once)."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        t = self.tiers
+        rows = namespace_rows(t.store.held(), t.pins, t.namespaces, t.disk_namespaces())
+        pages = GaugeMetricFamily("hicache_server_namespace_pages",
+                                  "Pages held per namespace and tier", labels=["namespace", "tier"])
+        nbytes = GaugeMetricFamily("hicache_server_namespace_bytes",
+                                   "Bytes of pages held per namespace and tier",
+                                   labels=["namespace", "tier"])
+        for ns, r in sorted(rows.items()):
+            for tier, prefix in (("memory", ""), ("disk", "disk_")):
+                if tier == "disk" and t.persist is None:
+                    continue
+                pages.add_metric([ns, tier], r[prefix + "pages"])
+                nbytes.add_metric([ns, tier], r[prefix + "bytes"])
+        yield pages
+        yield nbytes
+
 
 class Metrics:
     """Prometheus metrics of one server (a private registry, exported on --metrics-port)."""
@@ -45,7 +80,26 @@ class Metrics:
         cap.set(server.config.capacity_bytes)
         clients = pc.Gauge("hicache_server_connected_clients", "Connected clients", registry=reg)
         clients.set_function(lambda: server.connected_clients)
-        self.hits = pc.Counter("hicache_server_hits", "Pages found by get", registry=reg)
+        tiers = server.tiers
+        gauges = (
+            ("hicache_server_pinned_pages", "Pages pinned (hicache-admin pin)",
+             lambda: len(tiers.pins)),
+            ("hicache_server_pinned_bytes", "Bytes of the pinned pages in memory",
+             tiers.pinned_bytes),
+            ("hicache_server_pin_limit_bytes", "Most bytes pins may hold (--pin-share)",
+             lambda: tiers.pins.limit_bytes),
+            ("hicache_server_pins_expired", "Pins whose lease (--ttl) ended, since start",
+             lambda: tiers.pins.expired),
+            ("hicache_server_read_leases", "Read leases held on records read in place",
+             lambda: store.leases.counters["read_leases"]),
+            ("hicache_server_disk_hits", "Pages found on disk (not in memory) by get",
+             lambda: tiers.disk_hits),
+        )
+        for name, doc, fn in gauges:
+            pc.Gauge(name, doc, registry=reg).set_function(fn)
+        reg.register(NamespaceCollector(tiers))
+        self.hits = pc.Counter("hicache_server_hits", "Pages found by get (memory or disk)",
+                               registry=reg)
         self.misses = pc.Counter("hicache_server_misses", "Pages get did not find", registry=reg)
         self.evictions = pc.Counter(
             "hicache_server_evictions", "Pages evicted from memory (LRU)", registry=reg

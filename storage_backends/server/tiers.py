@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["PinLimit", "Tiers"]
 
-from storage_backends.server.admin import NamespaceCounters, PinLimit, Pins
+from storage_backends.server.admin import NamespaceCounters, PinLimit, Pins, namespace_rows
 from storage_backends.server.arena import BLOCK, Arena, ArenaSlot
 from storage_backends.server.reservations import Reservations
 from storage_backends.server.store import (
@@ -56,15 +56,22 @@ class Tiers:
         self.persist: WriteBehind | None = None
         self.metrics: Metrics | None = None  # set by the server once its metrics exist
         self.store.leases.ttl_s = config.read_lease_ms / 1000
-        limit = int(config.pin_share * config.capacity_bytes) if config.capacity_bytes else 1 << 62
+        # Pinned pages are kept by both tiers, so they must fit the smaller one's share.
+        caps = [c for c in (config.capacity_bytes,
+                            config.persist_capacity_bytes if config.persist_dir else 0) if c]
+        limit = int(config.pin_share * min(caps)) if caps else 1 << 62
         self.pins = self.store.pins = Pins(limit, config.persist_dir)
         self.namespaces = NamespaceCounters()
+        self.hits = self.misses = self.disk_hits = 0  # pages, either tier (`lookup`)
+        self._disk_ns: dict[str, str] = {}  # persisted page name -> its namespace (a cache)
         if config.persist_dir:
             self.persist = WriteBehind(
                 config.persist_dir,
                 max_pending=config.persist_queue,
                 capacity_bytes=config.persist_capacity_bytes,
             )
+            # The disk tier's byte cap never evicts a pinned page's file.
+            self.persist.backend.keep = self.pins.holds
             logger.info(
                 "persistence at %s loaded %d pages (read into memory lazily, on first use)",
                 config.persist_dir,
@@ -79,9 +86,12 @@ class Tiers:
         held = self.store.exists(keys)
         missing = [k for k, h in zip(keys, held) if not h]
         values = self.persist.get(missing) if self.persist is not None else [None] * len(missing)
-        for k, v in zip(missing, values):
-            if v is None or not self._put_memory(k, v, persist=False):
-                self.pins.unpin([k])
+        lost = [k for k, v in zip(missing, values)
+                if v is None or not self._put_memory(k, v, persist=False)]
+        if lost:
+            self.pins.unpin(lost)
+            logger.warning("dropped %d of %d pins: their pages are gone (first: %s)",
+                           len(lost), len(keys), lost[0][:16])
         logger.info("%d pinned pages held (%d read back from disk)", len(self.pins),
                     sum(v is not None for v in values))
 
@@ -114,7 +124,10 @@ class Tiers:
                 if v is not None:
                     values[i] = v
                     self._put_memory(keys[i], v, persist=False)
+            self.disk_hits += sum(v is not None for v in values) - hits
             hits = sum(v is not None for v in values)
+        self.hits += hits
+        self.misses += len(keys) - hits
         if self.metrics is not None:
             self.metrics.hits.inc(hits)
             self.metrics.misses.inc(len(keys) - hits)
@@ -272,11 +285,13 @@ class Tiers:
         keys = list(self.pins.keys() if keys is None else keys)
         return sum(n for n in self.store.sizes(keys) if n is not None)
 
-    def pin(self, keys: list[str], ttl_ms: int) -> tuple[int, int]:
+    def pin(self, keys: list[str], ttl_ms: int, require_all: bool = False) -> tuple[int, int]:
         """Pin the pages of `keys` held (read into memory from disk first); (pinned, absent).
-        Raises `PinLimit`."""
+        `require_all`: none when any is absent. Raises `PinLimit`."""
         self.pins.expire()
         sizes = self.sizes(keys)
+        if require_all and -1 in sizes:
+            return 0, sizes.count(-1)
         on_disk = [k for k, n in zip(keys, sizes) if n >= 0 and k not in self.store]
         if on_disk and self.persist is not None:  # a pin keeps a page in memory: read it in
             for k, v in zip(on_disk, self.persist.get(on_disk)):
@@ -284,6 +299,13 @@ class Tiers:
                     self._put_memory(k, v, persist=False)
         sizes = [-1 if n is None else n for n in self.store.sizes(keys)]
         pinned = self.pins.pin(keys, sizes, ttl_ms / 1000, self.pinned_bytes)
+        if self.persist is not None:  # a pinned page is kept on disk too: write it if not there
+            deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
+            for k, n in zip(keys, sizes):
+                if n >= 0 and self.persist.size_of(k) is None:
+                    v = self.store._lru.get(k, touch=False)  # noqa: SLF001 - no recency, counters
+                    if v is not None:
+                        self._persist(k, self.frame(v), deadline)
         return pinned, len(keys) - pinned
 
     def admin_clear(self, namespace: bytes | None) -> tuple[int, int]:
@@ -297,6 +319,48 @@ class Tiers:
         self.clear()
         return n, pins
 
+    def disk_namespaces(self) -> dict[str, tuple[int, int]]:
+        """Per namespace (64 hex; "-": not a record), the pages and bytes on disk. Each file's
+        header is read once (a key's namespace never changes); later calls walk the index."""
+        if self.persist is None:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        cache = self._disk_ns
+        seen: set[str] = set()
+        for path, n in self.persist.backend.known_pages():
+            ns = cache.get(path)
+            if ns is None:
+                try:
+                    with open(path, "rb") as f:
+                        ns = namespace_of(memoryview(f.read(_NS_END))) or "-"
+                except OSError:
+                    continue  # evicted or deleted meanwhile
+                cache[path] = ns
+            seen.add(path)
+            pages, nbytes_ = out.get(ns, (0, 0))
+            out[ns] = (pages + 1, nbytes_ + n)
+        for path in [p for p in list(cache) if p not in seen]:
+            cache.pop(path, None)
+        return out
+
+    def namespace_rows(self) -> dict[str, dict[str, int]]:
+        """The admin's `stats` rows: memory and disk pages, pins, hits and misses."""
+        self.pins.expire()
+        return namespace_rows(self.store.held(), self.pins, self.namespaces,
+                              self.disk_namespaces())
+
+    def pin_list(self) -> list[tuple[str, str, int, int]]:
+        """Every pin: (key, namespace, bytes (-1: not in memory), milliseconds left (-1: no
+        lease))."""
+        self.pins.expire()
+        now = time.time()
+        held = {k: (ns, n) for k, ns, n in self.store.held()}
+        out: list[tuple[str, str, int, int]] = []
+        for key, until in self.pins.items():
+            ns, n = held.get(key, ("-", -1))
+            out.append((key, ns, n, max(0, int((until - now) * 1000)) if until else -1))
+        return out
+
     def stats(self) -> dict[str, int]:
         self.store.expire_leases()
         self.pins.expire()
@@ -305,8 +369,10 @@ class Tiers:
             "pages": self.store.pages,
             "bytes": self.store.bytes,
             "capacity_bytes": self.config.capacity_bytes,
-            "hits": c.hits,
-            "misses": c.misses,
+            "hits": self.hits,  # either tier
+            "misses": self.misses,  # neither tier
+            "memory_hits": c.hits,
+            "disk_hits": self.disk_hits,
             "evictions": c.evictions,
             "rejected": c.rejected,
             "pinned_pages": len(self.pins),
