@@ -216,10 +216,11 @@ def _ratio(a: float, b: float) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Does the work; returns the JSON document. Raises HiCacheError on bad input."""
+    from tools.hitrate import fast
     from tools.hitrate import mrc as mrcmod
-    from tools.hitrate.pages import Layout
+    from tools.hitrate.arrays import BlockSink, from_trace
     from tools.hitrate.report import SCHEMA
-    from tools.hitrate.simulate import TierConfig, replay
+    from tools.hitrate.simulate import TierConfig, replay, replay_arrays
     from tools.hitrate.trace_dir import read_path
     from tools.hitrate.traces import load_tokenizer
 
@@ -241,6 +242,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kvb = kv_bytes_from_model(args.model_path, args.kv_dtype)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    # Block traces stream into arrays (no Request kept per line) unless tokens are replayed.
+    sink = BlockSink() if args.replay_mode == "pages" else None
     trace, notes = read_path(
         args.trace,
         args.format,
@@ -249,12 +252,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         skip_bad_lines=args.skip_bad_lines,
         limit=args.limit,
         limits=Limits(args.max_request_tokens, args.max_line_bytes),
+        sink=sink,
     )
-    if not trace.requests:
+    if not trace.count:
         raise HiCacheError(f"{args.trace}: no requests")
+    page_size = args.page_size or trace.block_size or 32
+    streamed = sink is not None and len(sink) > 0
+    if streamed:
+        assert sink is not None
+        arrs = sink.arrays(trace, page_size, ignore_output=args.ignore_output)
+        del sink
+    else:
+        arrs = from_trace(trace, page_size, ignore_output=args.ignore_output)
     t_read = time.perf_counter() - t0
 
-    page_size = args.page_size or trace.block_size or 32
     if kvb is None and trace.kv_bytes_per_token:
         kvb = trace.kv_bytes_per_token
         notes.append(f"kv bytes per token {kvb:g} taken from the lmcache log's shapes/dtypes")
@@ -273,21 +284,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     t0 = time.perf_counter()
-    sim = replay(
-        trace,
-        tiers,
-        ignore_output=args.ignore_output,
-        progress=False if args.no_progress else None,
-        mode=args.replay_mode,
-    )
+    progress = False if args.no_progress else None
+    if streamed:
+        sim = replay_arrays(arrs, tiers, progress=progress)
+    else:
+        sim = replay(
+            trace, tiers, ignore_output=args.ignore_output, progress=progress,
+            mode=args.replay_mode,
+        )
     t_sim = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    paged = Layout(trace, page_size, ignore_output=args.ignore_output).all_paged()
-    stack = mrcmod.stack_distances(paged, page_size)
+    n_req = arrs.requests
+    stack = fast.stack_distances(arrs)
     n_in = stack.input_tokens
     ub_tokens = stack.unbounded_hit_tokens
-    ub_requests = sum(stack.hit_requests_at.values())
+    ub_requests = stack.unbounded_hit_requests
     opt_doc = None
     total = tiers.total_pages()
     if not args.no_opt:
@@ -297,16 +309,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "hit_tokens": ub_tokens,
                 "hit_rate": _ratio(ub_tokens, n_in),
                 "hit_requests": ub_requests,
-                "request_hit_rate": _ratio(ub_requests, len(paged)),
+                "request_hit_rate": _ratio(ub_requests, n_req),
             }
         else:
-            o = mrcmod.belady(paged, page_size, int(total))
+            o = fast.belady(arrs, [int(total)])[0]
             opt_doc = {
                 "capacity_pages": o.capacity_pages,
                 "hit_tokens": o.hit_tokens,
                 "hit_rate": _ratio(o.hit_tokens, n_in),
                 "hit_requests": o.hit_requests,
-                "request_hit_rate": _ratio(o.hit_requests, len(paged)),
+                "request_hit_rate": _ratio(o.hit_requests, n_req),
             }
 
     def cap_bytes(p: int | None) -> float | None:
@@ -325,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "hit_tokens": ht,
                     "hit_rate": _ratio(ht, n_in),
                     "miss_ratio": 1 - _ratio(ht, n_in),
-                    "request_hit_rate": _ratio(stack.hit_requests(c), len(paged)),
+                    "request_hit_rate": _ratio(stack.hit_requests(c), n_req),
                 }
             )
         target_doc = None
@@ -349,9 +361,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": "lru, device only",
             "points": points,
             "target": target_doc,
-            "saturation_pages": max(stack.hit_tokens_at, default=0),
+            "saturation_pages": stack.saturation_pages,
         }
-    share = mrcmod.sharing(paged, page_size)
+    share = fast.sharing(arrs)
     t_an = time.perf_counter() - t0
 
     prefill_s = transfer_s = ttft = None
@@ -382,9 +394,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "trace": {
             "path": trace.path,
             "format": trace.format,
-            "requests": len(trace.requests),
+            "requests": n_req,
             "input_tokens": n_in,
-            "output_tokens": sum(r.output_len for r in trace.requests),
+            "output_tokens": int(arrs.output_len.sum()),
             "block_size": trace.block_size,
             "bad_lines": trace.bad_lines,
             "bad_line_numbers": trace.bad_line_numbers,
@@ -425,7 +437,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hit_tokens": ub_tokens,
             "hit_rate": _ratio(ub_tokens, n_in),
             "hit_requests": ub_requests,
-            "request_hit_rate": _ratio(ub_requests, len(paged)),
+            "request_hit_rate": _ratio(ub_requests, n_req),
             "pages": stack.max_pages,
         },
         "opt": opt_doc,
@@ -439,7 +451,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reuse_distance": {
             "unit": "pages",
             "cold_pages": stack.cold_pages,
-            "buckets": mrcmod.reuse_histogram(stack),
+            "buckets": stack.reuse_buckets(),
         },
         "sharing": asdict(share),
         "mrc": mrc_doc,

@@ -21,6 +21,7 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tools.hitrate.pages import PagedRequest
 
@@ -91,6 +92,18 @@ class StackResult:
     @property
     def unbounded_hit_tokens(self) -> int:
         return sum(self.hit_tokens_at.values())
+
+    @property
+    def unbounded_hit_requests(self) -> int:
+        return sum(self.hit_requests_at.values())
+
+    @property
+    def saturation_pages(self) -> int:
+        """The largest stack distance that brings a hit (0: none)."""
+        return max(self.hit_tokens_at, default=0)
+
+    def reuse_buckets(self) -> list[dict[str, int]]:
+        return reuse_histogram(self)
 
     def capacity_for(self, hit_rate: float) -> int | None:
         """Smallest capacity in pages whose token hit rate is >= hit_rate (None: unreachable)."""
@@ -164,10 +177,11 @@ def stack_distances(
     return res
 
 
-def mrc_points(res: StackResult, n_points: int) -> list[int]:
+def mrc_points(res: Any, n_points: int) -> list[int]:
     """`n_points` distinct capacities (pages), log-spaced from 1 page to the saturation point
-    (the largest stack distance that brings a hit); fewer when there are fewer integers."""
-    top = max(max(res.hit_tokens_at, default=1), 1)
+    (the largest stack distance that brings a hit); fewer when there are fewer integers.
+    `res`: a `StackResult` or a `fast.ArrayStack`."""
+    top = max(res.saturation_pages, 1)
     if n_points <= 1 or top == 1:
         return [top]
     if n_points >= top:

@@ -15,8 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD, HiCacheConfig
 from hicache.errors import ConfigError
+from tools.hitrate.arrays import PageArrays
 from tools.hitrate.pages import Layout
 from tools.hitrate.traces import Trace
 
@@ -175,24 +178,7 @@ def replay(
                 prompt, output = layout.prompt_output(req)
                 sr = simulate_request(cache, rid, prompt, output, req.extra_key)
                 dev, host, sto = sr.device_hit_tokens, sr.host_hit_tokens, sr.storage_hit_tokens
-            over = dev + host + sto - req.input_len
-            if over > 0:
-                res.capped_tokens += over
-                cut = min(over, sto)
-                sto -= cut
-                over -= cut
-                cut = min(over, host)
-                host -= cut
-                over -= cut
-                dev -= over
-            hit = dev + host + sto
-            res.requests += 1
-            res.input_tokens += req.input_len
-            res.device_hit_tokens += dev
-            res.host_hit_tokens += host
-            res.storage_hit_tokens += sto
-            res.hit_requests += 1 if hit else 0
-            res.per_request_hits.append(hit)
+            hit = _account(res, dev, host, sto, req.input_len)
             if req.cached_tokens is not None:
                 engine_total += req.cached_tokens
                 if req.cached_tokens != hit:
@@ -206,6 +192,35 @@ def replay(
             bar.close()
     if trace.format == "engine":
         res.engine_cached_tokens = engine_total
+    _finish(res, cache, ps, page_ids)
+    return res
+
+
+def _account(res: SimResult, dev: int, host: int, sto: int, input_len: int) -> int:
+    """Adds one request's hits (capped at its input length, the cut taken off the deepest tier
+    first) to `res`; returns its hit tokens."""
+    over = dev + host + sto - input_len
+    if over > 0:
+        res.capped_tokens += over
+        cut = min(over, sto)
+        sto -= cut
+        over -= cut
+        cut = min(over, host)
+        host -= cut
+        over -= cut
+        dev -= over
+    hit = dev + host + sto
+    res.requests += 1
+    res.input_tokens += input_len
+    res.device_hit_tokens += dev
+    res.host_hit_tokens += host
+    res.storage_hit_tokens += sto
+    res.hit_requests += 1 if hit else 0
+    res.per_request_hits.append(hit)
+    return hit
+
+
+def _finish(res: SimResult, cache: Any, ps: int, page_ids: bool) -> None:
     stats = dict(cache.stats.as_dict())
     if page_ids:  # the cache counted pages where it says tokens
         for k in list(stats):
@@ -219,4 +234,52 @@ def replay(
     close = getattr(cache, "close", None)
     if close is not None:
         close()
+
+
+def replay_arrays(
+    arrs: PageArrays,
+    tiers: TierConfig,
+    *,
+    progress: bool | None = False,
+) -> SimResult:
+    """`replay(..., mode="pages")` of a block trace read into `PageArrays` (no `Request`s): the
+    same page-id sequences reach the same cache, so the result is the same counter for counter
+    (tests/tools/test_fast.py)."""
+    from hicache.simulation import replay_request
+
+    if tiers.page_size != arrs.page_size:
+        raise ConfigError(f"page size {tiers.page_size} != the arrays' {arrs.page_size}")
+    ps = tiers.page_size
+    n = arrs.requests
+    lengths = np.diff(arrs.offsets)
+    unbounded = 2 + int(lengths.sum()) + n
+    cache = build_cache(tiers, unbounded, page_ids=True)
+    res = SimResult(
+        device_pages=tiers.device_pages if tiers.device_pages is not None else unbounded,
+        host_pages=tiers.host_pages if tiers.host_pages is not None else unbounded,
+        storage_pages=tiers.storage_pages,
+    )
+    pages, offsets, n_lookup, input_len = arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len
+    bar = _progress(n, progress, "replaying")
+    step = 4096
+    try:
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            # one tolist per chunk: Python ints for the cache, without a list per request kept
+            chunk = pages[offsets[lo] : offsets[hi]].tolist()
+            base = int(offsets[lo])
+            for i in range(lo, hi):
+                o, e = int(offsets[i]) - base, int(offsets[i + 1]) - base
+                full = chunk[o:e]
+                nl = int(n_lookup[i])
+                inp = int(input_len[i])
+                sr = replay_request(cache, str(i), full[:nl], full, None, inp)
+                _account(res, sr.device_hit_tokens * ps, sr.host_hit_tokens * ps,
+                         sr.storage_hit_tokens * ps, inp)
+            if bar is not None:
+                bar.update(hi - lo)
+    finally:
+        if bar is not None:
+            bar.close()
+    _finish(res, cache, ps, True)
     return res

@@ -85,6 +85,7 @@ class Trace:
     bad_line_numbers: list[int] = field(default_factory=list)  # the first 20
     kv_bytes_per_token: float | None = None  # known from the trace itself (lmcache logs)
     num_blocks: int = 0  # distinct block ids (block traces)
+    count: int = 0  # requests read (== len(requests) unless they went to a sink)
 
 
 def detect_format(obj: Any) -> str | None:
@@ -375,6 +376,7 @@ def read_trace(
     add_generation_prompt: bool = True,
     limits: Limits | None = None,
     files: Sequence[Path] | None = None,
+    sink: Callable[[Request], None] | None = None,
 ) -> Trace:
     """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
 
@@ -384,6 +386,9 @@ def read_trace(
     files, in name order. LMCache records are replayed in timestamp order, as LMCache's simulator
     does. `limits` bounds every line (`Limits()` by default); a line over a bound is a bad line.
     `files`: read these instead of the directory's (`trace_dir.read_path` picks them).
+    `sink`: each block-trace request (mooncake, lmcache) goes to `sink` instead of
+    `Trace.requests`, which is then empty and `Trace.count` says how many there were (a stream:
+    `arrays.BlockSink` keeps only their block ids); token-trace requests are kept as usual.
     """
     path = Path(path)
     limits = limits or Limits()
@@ -402,6 +407,7 @@ def read_trace(
     current = files[0]
     reader: _Reader | None = None
     requests: list[Request] = []
+    count = 0
     bad = 0
     bad_numbers: list[int] = []
 
@@ -421,7 +427,7 @@ def read_trace(
             yield from _iter_lines(f, limits.max_line_bytes)
 
     for lineno, line in lines():
-        if limit is not None and len(requests) >= limit:
+        if limit is not None and count >= limit:
             break
         if isinstance(line, UnicodeDecodeError):
             reject(lineno, f"not UTF-8 text ({line.reason})")
@@ -457,9 +463,15 @@ def read_trace(
             reject(lineno, f"looks like a {detected} record, not {reader.fmt}")
             continue
         try:
-            requests.append(reader.parse(obj, len(requests)))
+            req = reader.parse(obj, count)
         except (ValueError, TypeError, KeyError) as e:
             reject(lineno, f"bad {reader.fmt} record: {e}")
+            continue
+        count += 1
+        if sink is not None and req.blocks is not None:
+            sink(req)
+        else:
+            requests.append(req)
     if reader is None:
         if bad:
             raise TraceError(path, None, f"no valid line ({bad} bad lines skipped)")
@@ -476,4 +488,5 @@ def read_trace(
         bad_line_numbers=bad_numbers,
         kv_bytes_per_token=reader.kv_bytes_per_token,
         num_blocks=len(reader.block_ids),
+        count=count,
     )

@@ -1,0 +1,218 @@
+"""The compiled analyses (`tools/hitrate/fast.py`) over streamed arrays (`arrays.py`), checked
+against the readable one-pass reference (`mrc.py`) and against the exact replay through the real
+simulated `HiRadixCache`, on traces with shared prefixes, partial blocks, output insertion and
+evictions in every tier."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tools.test_mrc import BS, random_reqs, trace_of
+from tests.tools.test_replay_modes import TIERS, block_trace, engine_trace
+from tools.hitrate import fast, mrc
+from tools.hitrate.arrays import BlockSink, PageArrays, from_trace
+from tools.hitrate.pages import Layout
+from tools.hitrate.simulate import TierConfig, replay, replay_arrays
+from tools.hitrate.traces import Trace, read_trace
+
+
+def streamed(path: Path, page_size: int, **kw: object) -> tuple[Trace, PageArrays]:
+    sink = BlockSink()
+    tr = read_trace(path, sink=sink, **kw)  # type: ignore[arg-type]
+    assert tr.requests == [] and tr.count == len(sink)
+    return tr, sink.arrays(tr, page_size)
+
+
+def lmcache_trace(tmp_path: Path, seed: int, n: int = 150) -> Path:
+    """An LMCache lookup log whose timestamps are out of order (replayed sorted, stably)."""
+    rng = random.Random(seed)
+    p = tmp_path / f"lm{seed}.jsonl"
+    with open(p, "w") as f:
+        for i, (path, n_in) in enumerate(random_reqs(rng, n)):
+            f.write(json.dumps({"timestamp": rng.randrange(20), "request_id": f"r{i}",
+                                "chunk_size": BS, "seq_len": n_in + rng.randrange(BS),
+                                "chunk_hashes": [f"0x{b:x}" for b in path]}) + "\n")
+    return p
+
+
+def chained_trace(tmp_path: Path, seed: int, n: int = 150) -> Path:
+    """Prefix-chained block ids (as Mooncake's hash_ids are), partial last blocks, outputs."""
+    rng = random.Random(seed)
+    rows = [
+        {"timestamp": i, "input_length": n_in, "output_length": rng.randrange(0, 3 * BS),
+         "hash_ids": path}
+        for i, (path, n_in) in enumerate(random_reqs(rng, n, aligned=False))
+    ]
+    p = tmp_path / f"chained{seed}.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def assert_arrays_equal(a: PageArrays, b: PageArrays) -> None:
+    for f in ("pages", "offsets", "n_lookup", "input_len", "output_len"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.page_size == b.page_size
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("ignore_output", [False, True])
+def test_streamed_arrays_equal_layout(tmp_path: Path, seed: int, page_size: int,
+                                      ignore_output: bool) -> None:
+    path = block_trace(tmp_path, seed)
+    whole = read_trace(path, block_size=16)
+    sink = BlockSink()
+    tr = read_trace(path, block_size=16, sink=sink)
+    got = sink.arrays(tr, page_size, ignore_output=ignore_output)
+    want = from_trace(whole, page_size, ignore_output=ignore_output)
+    assert_arrays_equal(got, want)
+    lay = Layout(whole, page_size, ignore_output=ignore_output)
+    for i, req in enumerate(whole.requests):
+        pr = lay.paged(req)
+        assert got.path(i).tolist() == pr.pages and got.n_lookup[i] == pr.n_lookup
+
+
+def test_streamed_lmcache_is_in_timestamp_order(tmp_path: Path) -> None:
+    path = lmcache_trace(tmp_path, 0)
+    whole = read_trace(path)
+    tr, got = streamed(path, BS)
+    assert_arrays_equal(got, from_trace(whole, BS))
+    assert tr.format == "lmcache" and tr.count == 150
+
+
+def test_stream_keeps_the_first_bad_line(tmp_path: Path) -> None:
+    path = block_trace(tmp_path, 0)
+    lines = path.read_text().splitlines()
+    lines.insert(6, '{"timestamp": 1, "input_length": 3, "hash_ids": [1, "x"]}')
+    path.write_text("\n".join(lines) + "\n")
+    from tools.hitrate.traces import TraceError
+
+    with pytest.raises(TraceError) as e:
+        read_trace(path, block_size=16, sink=BlockSink())
+    assert e.value.line == 7
+
+
+def _reference(trace: Trace, page_size: int, ignore_output: bool = False) -> list:
+    return Layout(trace, page_size, ignore_output=ignore_output).all_paged()
+
+
+def _compare_stack(arrs: PageArrays, paged: list, page_size: int, order: str) -> None:
+    ref = mrc.stack_distances(paged, page_size, order=order, keep_distances=True)
+    got = fast.stack_distances(arrs, order=order, keep_distances=True)
+    assert got.distances == ref.distances
+    assert {d: int(v) for d, v in enumerate(got.tok_at) if v} == ref.hit_tokens_at
+    assert {d: int(v) for d, v in enumerate(got.req_at) if v} == ref.hit_requests_at
+    assert {d: int(v) for d, v in enumerate(got.reuse_at) if v} == ref.reuse_pages_at
+    assert (got.cold_pages, got.max_pages) == (ref.cold_pages, ref.max_pages)
+    assert got.curve() == ref.curve()
+    assert got.reuse_buckets() == mrc.reuse_histogram(ref)
+    assert got.saturation_pages == ref.saturation_pages
+    assert mrc.mrc_points(got, 12) == mrc.mrc_points(ref, 12)
+    for c in range(0, got.max_pages + 3):
+        assert got.hit_tokens(c) == ref.hit_tokens(c), c
+        assert got.hit_requests(c) == ref.hit_requests(c), c
+    for rate in (0.0, 0.05, 0.2, 0.5, 0.99):
+        assert got.capacity_for(rate) == ref.capacity_for(rate), rate
+    assert got.hit_tokens(float("inf")) == ref.unbounded_hit_tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("order", ["tree", "flat"])
+@pytest.mark.parametrize("maker", [block_trace, chained_trace])
+def test_fast_equals_reference_on_block_traces(tmp_path: Path, seed: int, order: str,
+                                               maker: object) -> None:
+    bs = 16 if maker is block_trace else BS
+    tr = read_trace(maker(tmp_path, seed), block_size=bs)  # type: ignore[operator]
+    for ps in (p for p in (1, 4, 16) if bs % p == 0):
+        paged = _reference(tr, ps)
+        arrs = from_trace(tr, ps)
+        _compare_stack(arrs, paged, ps, order)
+        assert fast.sharing(arrs) == mrc.sharing(paged, ps)
+        biggest = max(len(p.pages) for p in paged)
+        caps = [1, 2, biggest, biggest + 3, 2 * biggest, 60, 10_000]
+        assert fast.belady(arrs, caps) == [mrc.belady(paged, ps, c) for c in caps]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_equals_reference_on_token_traces(tmp_path: Path, seed: int) -> None:
+    tr = read_trace(engine_trace(tmp_path, seed))
+    for ignore_output in (False, True):
+        paged = _reference(tr, 4, ignore_output)
+        arrs = from_trace(tr, 4, ignore_output=ignore_output)
+        _compare_stack(arrs, paged, 4, "tree")
+        assert fast.sharing(arrs) == mrc.sharing(paged, 4)
+        caps = [3, 8, 20, 50, 400]
+        assert fast.belady(arrs, caps) == [mrc.belady(paged, 4, c) for c in caps]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_replay_of_arrays_equals_replay(tmp_path: Path, seed: int, tiers: dict,
+                                        page_size: int) -> None:
+    """Every tier mix of test_replay_modes (evictions on device, host and storage, outputs
+    inserted): the streamed replay gives the same hits request for request and counters."""
+    tr_whole = read_trace(block_trace(tmp_path, seed), block_size=16)
+    _, arrs = streamed(block_trace(tmp_path, seed), page_size, block_size=16)
+    a = replay(tr_whole, TierConfig(page_size=page_size, **tiers))
+    b = replay_arrays(arrs, TierConfig(page_size=page_size, **tiers))
+    assert a.per_request_hits == b.per_request_hits
+    assert (a.device_hit_tokens, a.host_hit_tokens, a.storage_hit_tokens, a.capped_tokens) == (
+        b.device_hit_tokens, b.host_hit_tokens, b.storage_hit_tokens, b.capped_tokens)
+    drop = ("prefetch_seconds", "storage_backup_seconds")
+    assert {k: v for k, v in a.cache_stats.items() if k not in drop} == {
+        k: v for k, v in b.cache_stats.items() if k not in drop}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_mrc_equals_exact_replays(tmp_path: Path, seed: int) -> None:
+    """One page per request (whole-node eviction is page eviction): the compiled one-pass curve
+    equals a separate HiRadixCache run at every capacity, hit tokens and hit requests."""
+    rng = random.Random(seed)
+    tr = trace_of(tmp_path, [([rng.randrange(30)], 0) for _ in range(300)])
+    arrs = from_trace(tr, BS)
+    res = fast.stack_distances(arrs)
+    for cap in range(1, 32):
+        real = replay(tr, TierConfig(page_size=BS, device_pages=cap))
+        assert (real.hit_tokens, real.hit_requests) == (res.hit_tokens(cap),
+                                                        res.hit_requests(cap)), cap
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_bounds_equal_exact_replay(tmp_path: Path, seed: int) -> None:
+    """Shared prefixes, partial last blocks, outputs inserted: with room for every page the
+    exact replay (device only, and device + host + storage) hits exactly the compiled unbounded
+    bound and OPT at that size; with less room no tier mix or policy beats OPT."""
+    path = chained_trace(tmp_path, seed)
+    tr = read_trace(path, block_size=BS)
+    _, arrs = streamed(path, 4, block_size=BS)
+    res = fast.stack_distances(arrs)
+    full = replay_arrays(arrs, TierConfig(page_size=4, device_pages=None))
+    biggest = int(np.diff(arrs.offsets).max())
+    tiered = replay(tr, TierConfig(page_size=4, device_pages=2 * biggest,
+                                   host_pages=4 * biggest, storage_pages=None,
+                                   load_back_threshold=0, prefetch_threshold=0))
+    assert full.hit_tokens == tiered.hit_tokens == res.unbounded_hit_tokens
+    assert tiered.storage_hit_tokens > 0 and tiered.host_hit_tokens > 0
+    assert fast.belady(arrs, [res.max_pages])[0].hit_tokens == res.unbounded_hit_tokens
+    for tiers in TIERS:
+        real = replay_arrays(arrs, TierConfig(page_size=4, **tiers))
+        cap = TierConfig(page_size=4, **tiers).total_pages()
+        if cap != float("inf"):
+            assert real.hit_tokens <= fast.belady(arrs, [int(cap)])[0].hit_tokens
+        assert real.hit_tokens <= res.unbounded_hit_tokens
+
+
+def test_reference_trace_fast(mooncake_trace: Path) -> None:
+    tr, arrs = streamed(mooncake_trace, 512)
+    res = fast.stack_distances(arrs)
+    assert res.unbounded_hit_tokens == 54_098_411 and res.input_tokens == 144_793_823
+    assert fast.belady(arrs, [res.max_pages])[0].hit_tokens == 54_098_411
+    paged = Layout(read_trace(mooncake_trace), 512).all_paged()
+    assert fast.sharing(arrs) == mrc.sharing(paged, 512)
+    assert fast.belady(arrs, [2000]) == [mrc.belady(paged, 512, 2000)]

@@ -1,0 +1,445 @@
+"""The one-pass analyses of `mrc.py` over `PageArrays`, compiled with numba.
+
+Same algorithms, same accounting, same tie-breaks as `mrc.py` (the readable reference, kept for
+the tests): LRU stack distances (tree or flat order) for the miss-ratio curve, the reuse
+distances and the unbounded bound; Belady's prefix-aware optimum; prefix sharing. Each kernel
+runs over flat int64 arrays indexed by page id, so its memory is a few arrays of `num_pages` and
+of the page references, and its speed is that of a loop in C. `tests/tools/test_fast.py` checks
+every result against `mrc.py` and against the exact replay through `HiRadixCache`.
+
+Why numba (docs/hitrate.md, "Speed"): the algorithms are sequential loops with data-dependent
+branches (a Fenwick tree, a heap with lazy deletion) that numpy cannot vectorise; numba compiles
+them from this file with no build step, is already installed with lmcache, and caches the
+machine code next to the module (`cache=True`), so only the first run pays the compile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from tools.hitrate.arrays import PageArrays
+from tools.hitrate.mrc import OptResult, Sharing
+
+# --- layout helpers (used by arrays.py) --------------------------------------------------------
+
+
+@njit(cache=True)
+def _block_paths(blocks, boff, m, n_extra, base):  # type: ignore[no-untyped-def]
+    n = len(n_extra)
+    off = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        off[i + 1] = off[i] + (boff[i + 1] - boff[i]) * m + n_extra[i]
+    pages = np.empty(off[n], np.int64)
+    nxt = base
+    k = 0
+    for i in range(n):
+        for bi in range(boff[i], boff[i + 1]):
+            b = blocks[bi]
+            for j in range(m):
+                pages[k] = b * m + j
+                k += 1
+        for _ in range(n_extra[i]):
+            pages[k] = nxt
+            nxt += 1
+            k += 1
+    return pages, off, nxt
+
+
+def block_paths(
+    blocks: np.ndarray, boff: np.ndarray, m: int, n_extra: np.ndarray, base: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(pages, offsets, num_pages) of block paths: block b -> pages b*m .. b*m+m-1, then the
+    request's `n_extra` unique pages, numbered from `base` in request order."""
+    pages, off, nxt = _block_paths(blocks, boff, np.int64(m), n_extra, np.int64(base))
+    num = int(nxt) if len(pages) == 0 else max(int(nxt), int(pages.max()) + 1)
+    return pages, off, num
+
+
+@njit(cache=True)
+def _gather_segments(data, off, order):  # type: ignore[no-untyped-def]
+    n = len(order)
+    new_off = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        r = order[i]
+        new_off[i + 1] = new_off[i] + off[r + 1] - off[r]
+    out = np.empty(new_off[n], data.dtype)
+    for i in range(n):
+        r = order[i]
+        out[new_off[i] : new_off[i + 1]] = data[off[r] : off[r + 1]]
+    return out, new_off
+
+
+def gather_segments(
+    data: np.ndarray, off: np.ndarray, order: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Segments `data[off[r]:off[r+1]]` for r in `order`, concatenated, with their offsets."""
+    return _gather_segments(data, off, order.astype(np.int64))
+
+
+# --- stack distances ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep):  # type: ignore[no-untyped-def]
+    n = len(n_lookup)
+    total = 0
+    for r in range(n):
+        total += n_lookup[r] if flat else off[r + 1] - off[r]
+    tree = np.zeros(total + 2, np.int32)
+    last = np.full(num_pages, -1, np.int64)
+    tok_at = np.zeros(num_pages + 2, np.int64)
+    req_at = np.zeros(num_pages + 2, np.int64)
+    reuse_at = np.zeros(num_pages + 2, np.int64)
+    dist = np.zeros(off[n] if keep else 0, np.int64)  # keep: per lookup page, 0 = cold
+    size = total + 1
+    live = 0
+    clock = 0
+    cold = 0
+    max_live = 0
+    for r in range(n):
+        o = off[r]
+        nl = n_lookup[r]
+        L = input_len[r]
+        running = 0
+        prev = 0
+        for i in range(nl):
+            t = last[pages[o + i]]
+            if t < 0:
+                cold += nl - i
+                break
+            s = 0
+            j = t + 1
+            while j > 0:
+                s += tree[j]
+                j -= j & -j
+            d = live - s + 1
+            if keep:
+                dist[o + i] = d
+            reuse_at[d] += 1
+            if flat:
+                if d > running:
+                    running = d
+                d = running
+            tokens = min(ps * (i + 1), L)
+            gain = tokens - prev
+            prev = tokens
+            if gain:
+                tok_at[d] += gain
+            if i == 0:
+                req_at[d] += 1
+        end = o + nl if flat else off[r + 1]
+        cnt = end - o
+        for q in range(cnt):
+            idx = o + q if flat else end - 1 - q
+            p = pages[idx]
+            t = last[p]
+            if t >= 0:
+                j = t + 1
+                while j <= size:
+                    tree[j] -= 1
+                    j += j & -j
+                live -= 1
+            j = clock + 1
+            while j <= size:
+                tree[j] += 1
+                j += j & -j
+            live += 1
+            last[p] = clock
+            clock += 1
+        if live > max_live:
+            max_live = live
+    return tok_at, req_at, reuse_at, cold, max_live, dist
+
+
+@dataclass
+class ArrayStack:
+    """Distances of one pass as arrays indexed by stack distance (pages); the interface of
+    `mrc.StackResult` (curve, hit_tokens, capacity_for, ...)."""
+
+    page_size: int
+    input_tokens: int
+    requests: int
+    tok_at: np.ndarray  # distance -> tokens gained
+    req_at: np.ndarray  # distance -> requests gained (their first page's distance)
+    reuse_at: np.ndarray  # distance -> re-used lookup pages
+    cold_pages: int
+    max_pages: int
+    distances: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        self.cum_tok = np.cumsum(self.tok_at)
+        self.cum_req = np.cumsum(self.req_at)
+
+    def _at(self, cum: np.ndarray, capacity_pages: float) -> int:
+        if capacity_pages < 0:
+            return 0
+        c = len(cum) - 1 if math.isinf(capacity_pages) else min(int(capacity_pages), len(cum) - 1)
+        return int(cum[c])
+
+    def hit_tokens(self, capacity_pages: float) -> int:
+        return self._at(self.cum_tok, capacity_pages)
+
+    def hit_requests(self, capacity_pages: float) -> int:
+        return self._at(self.cum_req, capacity_pages)
+
+    @property
+    def unbounded_hit_tokens(self) -> int:
+        return int(self.cum_tok[-1])
+
+    @property
+    def unbounded_hit_requests(self) -> int:
+        return int(self.cum_req[-1])
+
+    @property
+    def saturation_pages(self) -> int:
+        nz = np.flatnonzero(self.tok_at)
+        return int(nz[-1]) if len(nz) else 0
+
+    def curve(self) -> tuple[list[int], list[int], list[int]]:
+        ds = np.flatnonzero((self.tok_at != 0) | (self.req_at != 0))
+        return ds.tolist(), self.cum_tok[ds].tolist(), self.cum_req[ds].tolist()
+
+    def capacity_for(self, hit_rate: float) -> int | None:
+        need = hit_rate * self.input_tokens
+        if need <= 0:
+            return 0
+        i = int(np.searchsorted(self.cum_tok, need - 1e-9, side="left"))
+        return None if i >= len(self.cum_tok) else i
+
+    def reuse_buckets(self) -> list[dict[str, int]]:
+        ds = np.flatnonzero(self.reuse_at)
+        out: list[dict[str, int]] = []
+        if not len(ds):
+            return out
+        b = np.floor(np.log2(ds)).astype(np.int64)
+        counts = np.bincount(b, weights=self.reuse_at[ds]).astype(np.int64)
+        for k in np.flatnonzero(counts).tolist():
+            out.append({"min_pages": 1 << k, "max_pages": (1 << (k + 1)) - 1,
+                        "pages": int(counts[k])})
+        return out
+
+
+def stack_distances(
+    arrs: PageArrays, *, order: str = "tree", keep_distances: bool = False
+) -> ArrayStack:
+    """`mrc.stack_distances` over arrays (see its docstring)."""
+    if order not in ("tree", "flat"):
+        raise ValueError(f"order must be 'tree' or 'flat', got {order!r}")
+    tok, req, reuse, cold, max_live, dist = _stack(
+        arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len, np.int64(arrs.page_size),
+        np.int64(arrs.num_pages), order == "flat", keep_distances,
+    )
+    res = ArrayStack(arrs.page_size, arrs.input_tokens, arrs.requests, tok, req, reuse,
+                     int(cold), int(max_live))
+    if keep_distances:
+        res.distances = []
+        for i in range(arrs.requests):
+            o = int(arrs.offsets[i])
+            ds = dist[o : o + int(arrs.n_lookup[i])]
+            res.distances.append([int(d) for d in ds if d > 0])
+    return res
+
+
+# --- Belady ------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _next_uses(pages, off, n_lookup, num_pages):  # type: ignore[no-untyped-def]
+    """Per page reference: the next request after this one whose lookup covers the page."""
+    n = len(n_lookup)
+    nxt = np.full(num_pages, n, np.int64)
+    nu = np.empty(off[n], np.int64)
+    for r in range(n - 1, -1, -1):
+        o = off[r]
+        for idx in range(o, off[r + 1]):
+            nu[idx] = nxt[pages[idx]]
+        for i in range(n_lookup[r]):
+            nxt[pages[o + i]] = r
+    return nu
+
+
+@njit(cache=True, inline="always")
+def _before(ka, pa, kb, pb):  # type: ignore[no-untyped-def]
+    # a leaves before b: later next use (then deeper) first; ties on the smaller page id
+    return ka > kb or (ka == kb and pa < pb)
+
+
+@njit(cache=True)
+def _heap_push(hk, hp, size, k, p):  # type: ignore[no-untyped-def]
+    i = size
+    hk[i] = k
+    hp[i] = p
+    while i > 0:
+        parent = (i - 1) >> 1
+        if _before(hk[i], hp[i], hk[parent], hp[parent]):
+            hk[i], hk[parent] = hk[parent], hk[i]
+            hp[i], hp[parent] = hp[parent], hp[i]
+            i = parent
+        else:
+            break
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(hk, hp, size):  # type: ignore[no-untyped-def]
+    size -= 1
+    hk[0] = hk[size]
+    hp[0] = hp[size]
+    i = 0
+    while True:
+        a = 2 * i + 1
+        if a >= size:
+            break
+        b = a + 1
+        c = a
+        if b < size and _before(hk[b], hp[b], hk[a], hp[a]):
+            c = b
+        if _before(hk[c], hp[c], hk[i], hp[i]):
+            hk[i], hk[c] = hk[c], hk[i]
+            hp[i], hp[c] = hp[c], hp[i]
+            i = c
+        else:
+            break
+    return size
+
+
+@njit(cache=True)
+def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult):  # type: ignore[no-untyped-def]
+    n = len(n_lookup)
+    key = np.full(num_pages, -1, np.int64)  # cached page -> next use * depth_mult + depth
+    count = 0
+    hcap = 1024
+    hk = np.empty(hcap, np.int64)
+    hp = np.empty(hcap, np.int64)
+    hsize = 0
+    hit_tokens = 0
+    hit_requests = 0
+    hit_pages = 0
+    for r in range(n):
+        o = off[r]
+        k = 0
+        while k < n_lookup[r] and key[pages[o + k]] >= 0:
+            k += 1
+        if k:
+            hit_pages += k
+            hit_tokens += min(ps * k, input_len[r])
+            hit_requests += 1
+        for depth in range(off[r + 1] - o):
+            p = pages[o + depth]
+            e = nu[o + depth] * depth_mult + depth
+            if key[p] != e:
+                if key[p] < 0:
+                    count += 1
+                key[p] = e
+                if hsize == hcap:
+                    # drop stale entries first; grow only if the live ones fill it
+                    w = 0
+                    for q in range(hsize):
+                        if key[hp[q]] == hk[q]:
+                            hk[w] = hk[q]
+                            hp[w] = hp[q]
+                            w += 1
+                    if w * 2 > hcap:
+                        hcap *= 2
+                        nk = np.empty(hcap, np.int64)
+                        npg = np.empty(hcap, np.int64)
+                        nk[:w] = hk[:w]
+                        npg[:w] = hp[:w]
+                        hk = nk
+                        hp = npg
+                    hsize = 0
+                    for q in range(w):
+                        hsize = _heap_push(hk, hp, hsize, hk[q], hp[q])
+                hsize = _heap_push(hk, hp, hsize, e, p)
+        while count > cap:
+            e = hk[0]
+            p = hp[0]
+            hsize = _heap_pop(hk, hp, hsize)
+            if key[p] == e:
+                key[p] = -1
+                count -= 1
+    return hit_tokens, hit_requests, hit_pages
+
+
+def belady(arrs: PageArrays, capacities: list[int]) -> list[OptResult]:
+    """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once."""
+    if not arrs.requests:
+        return [OptResult(c, 0, 0, 0) for c in capacities]
+    nu = _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages))
+    depth_mult = int(np.diff(arrs.offsets).max()) + 1
+    out = []
+    for c in capacities:
+        t, r, p = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+                          np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c), nu,
+                          np.int64(depth_mult))
+        out.append(OptResult(int(c), int(t), int(r), int(p)))
+    return out
+
+
+# --- sharing -----------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _sharing(pages, off, n_lookup, input_len, ps, num_pages):  # type: ignore[no-untyped-def]
+    n = len(n_lookup)
+    users = np.zeros(num_pages, np.int64)
+    first = np.zeros(num_pages, np.bool_)
+    refs = 0
+    for r in range(n):
+        o = off[r]
+        refs += n_lookup[r]
+        if n_lookup[r]:
+            first[pages[o]] = True
+        for i in range(n_lookup[r]):
+            users[pages[o + i]] += 1
+    shared = 0
+    n_shared = 0
+    fracs = np.zeros(n, np.float64)
+    for r in range(n):
+        o = off[r]
+        k = 0
+        while k < n_lookup[r] and users[pages[o + k]] > 1:
+            k += 1
+        t = min(ps * k, input_len[r])
+        shared += t
+        if k:
+            n_shared += 1
+        fracs[r] = t / input_len[r] if input_len[r] else 0.0
+    unique = 0
+    n_first = 0
+    for p in range(num_pages):
+        if users[p]:
+            unique += 1
+        if first[p]:
+            n_first += 1
+    return unique, refs, shared, n_shared, n_first, fracs
+
+
+def sharing(arrs: PageArrays) -> Sharing:
+    """`mrc.sharing` over arrays."""
+    unique, refs, shared, n_shared, n_first, fracs = _sharing(
+        arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len, np.int64(arrs.page_size),
+        np.int64(arrs.num_pages),
+    )
+    fracs.sort()
+    total_in = arrs.input_tokens
+
+    def pct(q: float) -> float:
+        if not len(fracs):
+            return 0.0
+        return float(fracs[min(len(fracs) - 1, max(0, math.ceil(q * len(fracs)) - 1))])
+
+    return Sharing(
+        unique_pages=int(unique),
+        lookup_page_refs=int(refs),
+        shared_prefix_tokens=int(shared),
+        shared_prefix_ratio=int(shared) / total_in if total_in else 0.0,
+        requests_with_shared_prefix=int(n_shared),
+        distinct_first_pages=int(n_first),
+        shared_fraction_p50=pct(0.5),
+        shared_fraction_p90=pct(0.9),
+    )
