@@ -216,3 +216,23 @@ def test_reference_trace_fast(mooncake_trace: Path) -> None:
     paged = Layout(read_trace(mooncake_trace), 512).all_paged()
     assert fast.sharing(arrs) == mrc.sharing(paged, 512)
     assert fast.belady(arrs, [2000]) == [mrc.belady(paged, 512, 2000)]
+
+
+@pytest.mark.parametrize("warmup", [0.25, 0.5])
+def test_warmup_counts_only_the_measured_requests(tmp_path: Path, warmup: float) -> None:
+    _, arrs = streamed(chained_trace(tmp_path, 5), 4, block_size=BS)
+    full = fast.stack_distances(arrs, keep_distances=True)
+    warm = fast.stack_distances(arrs, warmup=warmup)
+    start = int(arrs.requests * warmup)
+    assert full.distances is not None
+    assert warm.requests == arrs.requests - start
+    assert warm.input_tokens == int(arrs.input_len[start:].sum())
+    for cap in (1, 5, 20, 80, full.max_pages):
+        want = sum(min(4 * sum(1 for d in ds if d <= cap), int(arrs.input_len[r]))
+                   for r, ds in enumerate(full.distances) if r >= start)
+        assert warm.hit_tokens(cap) == want, cap
+        opt = fast.belady(arrs, [cap], warmup=warmup)[0]
+        paged_all = fast.belady(arrs, [cap])[0]
+        assert opt.hit_tokens <= paged_all.hit_tokens
+    with pytest.raises(ValueError, match="warm-up"):
+        fast.stack_distances(arrs, warmup=1.0)

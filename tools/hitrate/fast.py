@@ -84,7 +84,7 @@ def gather_segments(
 
 
 @njit(cache=True)
-def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep):  # type: ignore[no-untyped-def]
+def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep, start):  # type: ignore[no-untyped-def]
     n = len(n_lookup)
     total = 0
     for r in range(n):
@@ -106,7 +106,7 @@ def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep):  # type:
         L = input_len[r]
         running = 0
         prev = 0
-        for i in range(nl):
+        for i in range(nl if r >= start else 0):
             t = last[pages[o + i]]
             if t < 0:
                 cold += nl - i
@@ -223,18 +223,28 @@ class ArrayStack:
         return out
 
 
+def warmup_start(arrs: PageArrays, warmup: float) -> int:
+    """The first measured request when the first `warmup` fraction of requests only warms the
+    cache (floor, as kvcache-simulator counts it)."""
+    if not 0.0 <= warmup < 1.0:
+        raise ValueError(f"warm-up must be a fraction in [0, 1), got {warmup}")
+    return int(math.floor(arrs.requests * warmup))
+
+
 def stack_distances(
-    arrs: PageArrays, *, order: str = "tree", keep_distances: bool = False
+    arrs: PageArrays, *, order: str = "tree", keep_distances: bool = False, warmup: float = 0.0
 ) -> ArrayStack:
-    """`mrc.stack_distances` over arrays (see its docstring)."""
+    """`mrc.stack_distances` over arrays (see its docstring). `warmup`: the first fraction of
+    requests updates the stack but is not counted (hits, input tokens, requests)."""
     if order not in ("tree", "flat"):
         raise ValueError(f"order must be 'tree' or 'flat', got {order!r}")
+    start = warmup_start(arrs, warmup)
     tok, req, reuse, cold, max_live, dist = _stack(
         arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len, np.int64(arrs.page_size),
-        np.int64(arrs.num_pages), order == "flat", keep_distances,
+        np.int64(arrs.num_pages), order == "flat", keep_distances, np.int64(start),
     )
-    res = ArrayStack(arrs.page_size, arrs.input_tokens, arrs.requests, tok, req, reuse,
-                     int(cold), int(max_live))
+    res = ArrayStack(arrs.page_size, int(arrs.input_len[start:].sum()), arrs.requests - start,
+                     tok, req, reuse, int(cold), int(max_live))
     if keep_distances:
         res.distances = []
         for i in range(arrs.requests):
@@ -308,7 +318,7 @@ def _heap_pop(hk, hp, size):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult):  # type: ignore[no-untyped-def]
+def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult, start):  # type: ignore[no-untyped-def]
     n = len(n_lookup)
     key = np.full(num_pages, -1, np.int64)  # cached page -> next use * depth_mult + depth
     count = 0
@@ -324,7 +334,7 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult)
         k = 0
         while k < n_lookup[r] and key[pages[o + k]] >= 0:
             k += 1
-        if k:
+        if k and r >= start:
             hit_pages += k
             hit_tokens += min(ps * k, input_len[r])
             hit_requests += 1
@@ -365,8 +375,10 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult)
     return hit_tokens, hit_requests, hit_pages
 
 
-def belady(arrs: PageArrays, capacities: list[int]) -> list[OptResult]:
-    """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once."""
+def belady(arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0) -> list[OptResult]:
+    """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once.
+    `warmup`: as in `stack_distances`."""
+    start = warmup_start(arrs, warmup)
     if not arrs.requests:
         return [OptResult(c, 0, 0, 0) for c in capacities]
     nu = _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages))
@@ -375,7 +387,7 @@ def belady(arrs: PageArrays, capacities: list[int]) -> list[OptResult]:
     for c in capacities:
         t, r, p = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
                           np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c), nu,
-                          np.int64(depth_mult))
+                          np.int64(depth_mult), np.int64(start))
         out.append(OptResult(int(c), int(t), int(r), int(p)))
     return out
 
