@@ -207,6 +207,7 @@ def test_a_pin_lease_ends_on_its_own(tmp_path: Path) -> None:
         adm.close()
         a.close()
         srv.stop()
+    assert "2 pins' leases ended (first: " in srv.log()
 
 
 def test_pins_persist_with_the_store_across_a_restart(tmp_path: Path) -> None:
