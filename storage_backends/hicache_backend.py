@@ -24,6 +24,11 @@ key              meaning                                           default
                  the server's store that holds space, on a
                  background thread (hicache_store.Populator), so
                  first copies do not fault page by page
+``encryption_``  64 hex characters: seal every record with         none (records in the
+``key``          AES-256-GCM under this key (hicache_seal); the    clear)
+                 server stores and serves ciphertext. Every client
+                 of one tenant holds the same key (env
+                 ``HICACHE_SERVER_ENCRYPTION_KEY``)
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -48,9 +53,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
-from hicache.backend import Checked, HeaderCheck, RecordChecker, scatter
+from hicache.backend import (
+    Checked,
+    HeaderCheck,
+    RecordChecker,
+    ThreadBuffers,
+    gather,
+    scatter,
+)
 from hicache.codec import HEADER_BYTES, RecordHeader, verify_copied_parts
 from hicache.errors import ConfigError, StorageCorrupt, StorageError, StorageUnavailable
 from hicache.storage import BackendStats, StorageBackend, StorageConfig
@@ -75,10 +87,14 @@ from storage_backends.hicache_store import (
 from storage_backends.server import protocol as P
 from storage_backends.server.malloc import tune_malloc
 
+if TYPE_CHECKING:
+    from storage_backends.hicache_seal import Sealer
+
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
-              "shm", "shm_bytes", "shm_populate")
+              "shm", "shm_bytes", "shm_populate", "encryption_key")
+ENCRYPTION_ENV = "HICACHE_SERVER_ENCRYPTION_KEY"
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 _ABSENT = Checked(-1, None)
 
@@ -106,6 +122,13 @@ class HiCacheServerBackend(StorageBackend):
         # shm requests are smaller (8 per region) so the two sides' copies overlap.
         self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
         shm = setting(config, "shm", True)
+        secret = setting(config, "encryption_key", "", env=ENCRYPTION_ENV, cast=str)
+        self._sealer: Sealer | None = None
+        if secret:
+            from storage_backends.hicache_seal import Sealer, parse_key
+
+            self._sealer = Sealer(parse_key(secret))
+            self._sealed_buffers = ThreadBuffers()  # sealed records on their way in or out
         if setting(config, "tune_malloc", True):
             tune_malloc()
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
@@ -199,6 +222,8 @@ class HiCacheServerBackend(StorageBackend):
         return run
 
     def _get_checked(self, keys: Sequence[str], out: Sequence[memoryview]) -> list[Checked]:
+        if self._sealer is not None:
+            return self._get_sealed(keys, out, self._sealer)
         # Records read in place are checked by this thread as each is copied, while in its cache.
         checker = RecordChecker(self, len(keys), offload=False)
         early: set[int] = set()
@@ -213,6 +238,26 @@ class HiCacheServerBackend(StorageBackend):
                 checker.add(i, keys[i], n, out[i])
         return [c if n >= 0 else Checked(-1, None)
                 for c, n in zip(checker.results(), lengths)]
+
+    def _get_sealed(self, keys: Sequence[str], out: Sequence[memoryview],
+                    sealer: Sealer) -> list[Checked]:
+        """Read sealed records into temporaries (by any path), open each into its buffer, then
+        check it as a plain record."""
+        from storage_backends.hicache_seal import OVERHEAD
+
+        views = [byte_view(o) for o in out]
+        sealed = self._sealed_buffers.take([len(v) + OVERHEAD for v in views])
+        lengths = self._get_into(keys, sealed)
+        res: list[Checked] = []
+        for key, n, s, o in zip(keys, lengths, sealed, views):
+            if n < 0:
+                res.append(_ABSENT)
+            elif n != len(s):
+                res.append(Checked(n, f"stored sealed record is {n} bytes, expected {len(s)}"))
+            else:
+                problem = sealer.open_into(key, s, o)
+                res.append(Checked(len(o), problem or self.check_record(key, len(o), o)))
+        return res
 
     def _get_into(
         self,
@@ -287,7 +332,7 @@ class HiCacheServerBackend(StorageBackend):
         record the other way. The rest (not in the store, moved, no store here, a batch naming
         a key twice) go through temporaries (`StorageBackend._get_parts_checked`), so their
         parts are written only with a valid, accepted record."""
-        if len(set(keys)) != len(keys) or not self.arena.wanted:
+        if len(set(keys)) != len(keys) or not self.arena.wanted or self._sealer is not None:
             return super()._get_parts_checked(keys, parts, accept)
         sizes = [sum(len(p) for p in ps) for ps in parts]
         res: list[Checked | None] = [None] * len(keys)  # None: read another way
@@ -373,6 +418,40 @@ class HiCacheServerBackend(StorageBackend):
 
     def _set_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
                    ) -> list[bool]:
+        if self._sealer is None:
+            return self._send_parts(keys, parts)
+        from storage_backends.hicache_seal import OVERHEAD
+
+        sizes = [sum(len(p) for p in ps) for ps in parts]
+        sealed = self._sealed_buffers.take([n + OVERHEAD for n in sizes])
+        plain: list[memoryview] | None = None
+        bad: set[int] = set()
+        for i, (key, ps, out) in enumerate(zip(keys, parts, sealed)):
+            if len(ps) == 1 and len(ps[0]) >= HEADER_BYTES:
+                head, payload = ps[0][:HEADER_BYTES], ps[0][HEADER_BYTES:]
+            elif len(ps) == 2 and len(ps[0]) == HEADER_BYTES:
+                head, payload = ps[0], ps[1]
+            else:  # scattered otherwise: gathered first
+                if plain is None:
+                    plain = self._scratch(sizes)
+                gather(ps, plain[i])
+                head, payload = plain[i][:HEADER_BYTES], plain[i][HEADER_BYTES:]
+            try:
+                self._sealer.seal_into(key, head, payload, out)
+            except ValueError as e:  # not a page record: not stored
+                logger.debug("hicache backend: not sealing %s: %s", key[:16], e)
+                bad.add(i)
+        if not bad:
+            return self._send_parts(keys, [(s,) for s in sealed])
+        idx = [i for i in range(len(keys)) if i not in bad]
+        got = self._send_parts([keys[i] for i in idx], [(sealed[i],) for i in idx]) if idx else []
+        ok = [False] * len(keys)
+        for i, stored in zip(idx, got):
+            ok[i] = stored
+        return ok
+
+    def _send_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
+                    ) -> list[bool]:
         """Store records held in parts (one part each for `batch_set`): straight into slots
         of the server's store (one copy), else through the region (one copy there), else as
         TCP frames (a record of several parts is joined into one frame first)."""

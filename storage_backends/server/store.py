@@ -43,9 +43,14 @@ _NS_AT = struct.calcsize("<4sHH")
 _NS_END = _NS_AT + 32
 
 
+# A page record's magic, plain or sealed (storage_backends.hicache_seal: the header stays
+# readable, so a sealed record names its namespace the same way).
+_MAGICS = (RECORD_MAGIC, b"HKVS")
+
+
 def namespace_of(head: memoryview | bytes) -> str | None:
     """The namespace (64 hex) a page record names, or None for bytes that are not a record."""
-    if len(head) < _NS_END or bytes(head[:4]) != RECORD_MAGIC:
+    if len(head) < _NS_END or bytes(head[:4]) not in _MAGICS:
         return None
     return bytes(head[_NS_AT:_NS_END]).hex()
 
@@ -53,7 +58,7 @@ def namespace_of(head: memoryview | bytes) -> str | None:
 def in_namespace(head: memoryview | bytes, namespace: bytes) -> bool:
     """Whether the record starting with `head` is a page record of `namespace` (bytes that
     are not a record, or too short to be one, are in none)."""
-    return (len(head) >= _NS_END and bytes(head[:4]) == RECORD_MAGIC
+    return (len(head) >= _NS_END and bytes(head[:4]) in _MAGICS
             and bytes(head[_NS_AT:_NS_END]) == namespace)
 
 

@@ -56,6 +56,8 @@ OURS = ("hicache", "storage_backends", "integrations", "engine", "tools")
 # Third-party imports a client module may make: its declared dependencies everywhere; the host
 # engine's packages in the plugin that runs inside it.
 DIST_OF = {"zmq": "pyzmq", "msgpack": "msgpack", "xxhash": "xxhash"}
+# Imports only a module behind an extra makes (hicache-client[encryption]: hicache_seal).
+EXTRA_OF = {"cryptography": "cryptography"}
 ENGINE_IMPORTS = {"integrations.sglang": {"torch", "sglang"},
                   "integrations.lmcache": {"torch", "lmcache"}}
 
@@ -117,6 +119,9 @@ def test_client_modules_import_only_the_client_and_declared_packages() -> None:
     deps = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())["project"]["dependencies"]
     declared = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in deps}
     assert declared == set(DIST_OF.values()), "update DIST_OF with the client's dependencies"
+    extras = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["encryption"]
+    assert {d.split(">")[0].strip() for d in extras} == set(EXTRA_OF.values())
     problems = []
     for mod in sorted(shipped):
         src = _source(mod)
@@ -129,7 +134,7 @@ def test_client_modules_import_only_the_client_and_declared_packages() -> None:
                     problems.append(f"{mod} imports {name}, which the client does not ship")
             elif top in sys.stdlib_module_names or top == "__future__":
                 continue
-            elif top not in DIST_OF and top not in engine:
+            elif top not in DIST_OF and top not in engine and top not in EXTRA_OF:
                 problems.append(f"{mod} imports {top}, not a dependency of hicache-client")
     assert problems == []
 

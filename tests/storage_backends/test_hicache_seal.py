@@ -1,0 +1,151 @@
+"""Sealed page records (`encryption_key`, storage_backends.hicache_seal) against a real
+`hicache-server`: pages round-trip through every client path (TCP frames, the connection's
+region, the server's store, records in parts); what the server holds, serves and persists is
+ciphertext; a record sealed under another key, altered, or moved under another key is a miss;
+the server still clears sealed records by namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hicache.codec import HEADER_BYTES
+from hicache.errors import ConfigError
+from storage_backends.hicache_backend import HiCacheServerBackend
+from storage_backends.hicache_seal import OVERHEAD, SEALED_MAGIC, Sealer
+from tests.storage_backends.conftest import NAMESPACE, buffers
+from tests.storage_backends.hicache_server_proc import (
+    HiCacheServerProc,
+    RawClient,
+    client_of,
+    hicache_server,
+    pages,
+)
+
+KEY = "11" * 32
+OTHER_KEY = "22" * 32
+N = 8
+PAYLOAD = 8192
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
+    with hicache_server(tmp_path, persist_dir=tmp_path / "persist") as srv:
+        yield srv
+
+
+def sealed_client(server: HiCacheServerProc, key: str = KEY, **extra: object
+                  ) -> HiCacheServerBackend:
+    return client_of(server.url, encryption_key=key, **extra)
+
+
+@pytest.mark.parametrize("path", [{"shm": False}, {"shm": True}], ids=["tcp", "shm"])
+def test_sealed_pages_round_trip_and_the_server_holds_only_ciphertext(
+        server: HiCacheServerProc, tmp_path: Path, path: dict[str, bool]) -> None:
+    keys, recs = pages("sealed", N, PAYLOAD)
+    b = sealed_client(server, **path)
+    raw = RawClient(server.url)
+    try:
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
+        out = buffers(N, len(recs[0]))
+        assert b.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        # In parts (a header buffer and a payload region, as from a host pool).
+        heads, bodies = buffers(N, HEADER_BYTES), buffers(N, PAYLOAD)
+        assert b.batch_get_parts(keys, [(h, p) for h, p in zip(heads, bodies)]) == [True] * N
+        assert [bytes(h) + bytes(p) for h, p in zip(heads, bodies)] == [bytes(r) for r in recs]
+        k2, r2 = pages("sealed-parts", N, PAYLOAD)
+        parts = [(memoryview(r)[:HEADER_BYTES], memoryview(r)[HEADER_BYTES:]) for r in r2]
+        assert b.batch_set_parts(k2, parts) == [True] * N
+        assert b.batch_get(k2, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in r2]
+        # What the server serves: the readable header (sealed magic), never the payload.
+        stored = raw.get(keys)
+        for rec, got in zip(recs, stored):
+            assert got is not None and len(got) == len(rec) + OVERHEAD
+            assert got[:4] == SEALED_MAGIC and got[4:120] == bytes(rec[4:120])
+            assert bytes(rec[HEADER_BYTES:HEADER_BYTES + 64]) not in got
+        # The server clears sealed records by the namespace their header names.
+        assert b.clear_namespace(NAMESPACE) == 2 * N
+        assert b.batch_exists(keys) == 0
+    finally:
+        b.close()
+        raw.close()
+
+
+def test_the_persistence_directory_holds_only_ciphertext(
+        server: HiCacheServerProc, tmp_path: Path) -> None:
+    keys, recs = pages("disk", N, PAYLOAD)
+    b = sealed_client(server)
+    try:
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
+    finally:
+        b.close()
+    server.stop()  # flushes the write-behind queue
+    files = [p for p in (tmp_path / "persist").rglob("*") if p.is_file()
+             and not p.name.endswith(".json")]
+    assert len(files) == N
+    blob = b"".join(p.read_bytes() for p in files)
+    for rec in recs:
+        assert bytes(rec[HEADER_BYTES:HEADER_BYTES + 64]) not in blob
+        assert bytes(rec[-64:]) not in blob
+    server.start()
+    b = sealed_client(server)
+    try:
+        out = buffers(N, len(recs[0]))
+        assert b.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    finally:
+        b.close()
+
+
+def test_another_key_a_plain_reader_and_altered_records_miss(server: HiCacheServerProc) -> None:
+    keys, recs = pages("keys", N, PAYLOAD)
+    b = sealed_client(server)
+    other = sealed_client(server, OTHER_KEY)
+    plain = client_of(server.url)
+    raw = RawClient(server.url)
+    try:
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
+        out = buffers(N, len(recs[0]))
+        # Under another key: no page opens (each counted corrupt, and deleted).
+        assert other.batch_get(keys[:2], out[:2]) == [False, False]
+        assert other.stats().corrupt_pages == 2
+        # A reader without the key sees sealed records as corrupt, never as pages.
+        assert plain.batch_get(keys[2:4], out[2:4]) == [False, False]
+        # A sealed record moved under another key, or with a flipped bit, does not open.
+        stored = raw.get(keys[4:6])
+        assert all(s is not None for s in stored)
+        moved, flipped = bytearray(stored[1] or b""), bytearray(stored[0] or b"")
+        flipped[HEADER_BYTES + 100] ^= 1
+        assert raw.set([keys[4], keys[5]], [bytes(moved), bytes(flipped)]) == [True, True]
+        assert b.batch_get(keys[4:6], out[4:6]) == [False, False]
+        assert b.batch_get(keys[6:], out[6:]) == [True, True]
+        assert [bytes(o) for o in out[6:]] == [bytes(r) for r in recs[6:]]
+    finally:
+        for c in (b, other, plain):
+            c.close()
+        raw.close()
+
+
+@pytest.mark.parametrize("bad", ["zz" * 32, "11" * 16, "11" * 33])
+def test_a_bad_key_is_a_config_error_naming_the_setting(bad: str) -> None:
+    with pytest.raises(ConfigError, match="encryption_key must be 64 hex"):
+        client_of("tcp://127.0.0.1:1", encryption_key=bad)
+
+
+def test_seal_and_open_in_memory() -> None:
+    keys, recs = pages("mem", 2, 1000)
+    s = Sealer(bytes.fromhex(KEY))
+    sealed = bytearray(len(recs[0]) + OVERHEAD)
+    rec = memoryview(recs[0])
+    s.seal_into(keys[0], rec[:HEADER_BYTES], rec[HEADER_BYTES:], memoryview(sealed))
+    out = bytearray(len(recs[0]))
+    assert s.open_into(keys[0], memoryview(sealed), memoryview(out)) is None
+    assert out == recs[0]
+    assert s.open_into(keys[1], memoryview(sealed), memoryview(out)) is not None
+    with pytest.raises(ValueError):
+        s.seal_into(keys[0], memoryview(bytes(HEADER_BYTES)), rec[HEADER_BYTES:],
+                    memoryview(sealed))
