@@ -411,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engines' page size (tokens)")
         sp.add_argument("--extra-key", help="the requests' extra_key")
         sp.add_argument("--cache-salt", help="the requests' cache_salt")
+        sp.add_argument("--engine-api-key", default=argparse.SUPPRESS,
+                        help="the engines' --api-key (as before the command)")
         sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
 
     prompt_args(sub.add_parser("lookup", help="how much of a prompt the server and engines hold"))
