@@ -55,6 +55,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # (0, 2], 1 = off; HF / vLLM's, over prompt + output
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     min_tokens: int = 0  # stop tokens suppressed until this many tokens are generated
+    # vLLM's: only these token ids are sampled (None: all).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as token sequences: the last token of each is banned where the output
+    # ends with the ones before it (a one-token word: always).
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     # Structured output, at most one (engine/grammar.py); json_schema '{"type": "object"}' is
     # OpenAI's response_format json_object.
     json_schema: str | None = None
@@ -100,6 +105,13 @@ class SamplingParams:
                 raise ConfigError(f"logit_bias values must be in [-100, 100], got {v} for {k}")
             bias[tok] = float(v)
         self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            if not self.allowed_token_ids:
+                raise ConfigError("allowed_token_ids must not be empty")
+        self.bad_words_ids = [[int(t) for t in w] for w in (self.bad_words_ids or [])]
+        if any(not w for w in self.bad_words_ids):
+            raise ConfigError("bad_words_ids: an empty word")
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ConfigError(f"at most one of json_schema, regex, ebnf; got {', '.join(given)}")
@@ -107,7 +119,10 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the request names must exist in the model's vocabulary (called at
         admission, so the sampler never sees an id out of range)."""
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", list(self.logit_bias)),
+                          ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words_ids", [t for w in self.bad_words_ids for t in w])):
             bad = sorted(t for t in ids if not 0 <= t < vocab_size)
             if bad:
                 raise ConfigError(f"{name}: token ids {bad[:5]} outside the vocabulary "
@@ -115,13 +130,16 @@ class SamplingParams:
 
     @property
     def uses_processors(self) -> bool:
-        """Whether any logit processor (penalties, bias, min_tokens) applies to this request."""
+        """Whether any logit processor (penalties, bias, min_tokens, allowed / banned tokens)
+        applies to this request."""
         return bool(
             self.frequency_penalty
             or self.presence_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
+            or self.bad_words_ids
         )
 
     @property
@@ -235,6 +253,7 @@ class Sampler:
         if constrained or any(p.uses_processors for p in params):
             x = logits.float().clone()  # the caller's logits stay raw (logprobs read them)
             apply_penalties(x, params, outs, prompt_ids, self.eos_token_ids)
+            apply_token_masks(x, params, outs)
             if constrained:
                 from engine.grammar import apply_grammars
 
@@ -260,6 +279,26 @@ class Sampler:
                 res.logprobs[i] = lp.chosen[j]
                 res.top_logprobs[i] = lp.top[j]
         return res
+
+
+def apply_token_masks(x: torch.Tensor, params: Sequence[SamplingParams],
+                      output_ids: Sequence[Sequence[int]]) -> None:
+    """vLLM's `allowed_token_ids` and `bad_words`, in place on the [B, vocab] logits: every
+    token outside a row's allowed ids, and the last token of each bad word whose earlier
+    tokens end the row's output, to -inf."""
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=x.device)
+            row = torch.full_like(x[i], float("-inf"))
+            row[keep] = x[i, keep]
+            x[i] = row
+        if p.bad_words_ids:
+            out = list(output_ids[i])
+            banned = [w[-1] for w in p.bad_words_ids
+                      if len(w) == 1 or len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:]
+                      == w[:-1]]
+            if banned:
+                x[i, torch.tensor(banned, dtype=torch.long, device=x.device)] = float("-inf")
 
 
 def _sample_rows(

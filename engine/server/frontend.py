@@ -66,8 +66,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        if state.metrics is not None and exc.status < 500:
-            state.metrics.bad_requests.inc()
+        if exc.status < 500:
+            # The route, the code and the fields; never the message (it may quote the prompt).
+            logger.info("refused %s %s: %d %s (%s)", request.method, request.url.path,
+                        exc.status, exc.code, ", ".join(exc.fields) or exc.param or "-")
+            if state.metrics is not None:
+                state.metrics.bad_requests.inc()
+                state.metrics.refused(exc.fields)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -53,9 +53,10 @@ class LogprobTrack:
 
 def completion_logprobs(track: LogprobTrack, text: TokenText, first: int = 0,
                         prompt_ids: Sequence[int] | None = None, top: bool = True,
-                        offset: int = 0) -> dict[str, Any]:
+                        offset: int = 0, k: int | None = None) -> dict[str, Any]:
     """OpenAI completions' `logprobs` for output entries `first:` (and the prompt's first when
-    `prompt_ids` is given: echo). `offset`: the text offset of the first token."""
+    `prompt_ids` is given: echo). `offset`: the text offset of the first token; `k`: at most
+    this many alternatives per token (the track may hold more, for `prompt_logprobs`)."""
     tokens: list[str] = []
     lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -66,7 +67,7 @@ def completion_logprobs(track: LogprobTrack, text: TokenText, first: int = 0,
         s = text(tok)
         tokens.append(s)
         lps.append(lp)
-        tops.append(None if alts is None else {text(t): v for t, v in alts})
+        tops.append(None if alts is None else {text(t): v for t, v in alts[:k]})
         offsets.append(offset)
         offset += len(s)
 
@@ -86,14 +87,35 @@ def _chat_entry(text: TokenText, tok: int, lp: float) -> dict[str, Any]:
     return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
 
-def chat_logprobs(track: LogprobTrack, text: TokenText, first: int = 0) -> dict[str, Any]:
-    """OpenAI chat's `logprobs` for output entries `first:`."""
+def chat_logprobs(track: LogprobTrack, text: TokenText, first: int = 0,
+                  k: int | None = None) -> dict[str, Any]:
+    """OpenAI chat's `logprobs` for output entries `first:` (`k`: at most k alternatives)."""
     content = []
     for i in range(first, len(track.output)):
         e = _chat_entry(text, track.output_ids[i], track.output[i])
-        e["top_logprobs"] = [_chat_entry(text, t, v) for t, v in track.output_top[i]]
+        e["top_logprobs"] = [_chat_entry(text, t, v) for t, v in track.output_top[i][:k]]
         content.append(e)
     return {"content": content, "refusal": None}
+
+
+def prompt_logprobs(track: LogprobTrack, text: TokenText, prompt_ids: Sequence[int],
+                    k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null) its logprob and the top k
+    others, `{token id: {"logprob", "rank", "decoded_token"}}`; rank is 1-based among the
+    alternatives, null for a prompt token outside the top k (its exact rank is not computed)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for j, tok in enumerate(prompt_ids):
+        lp = track.prompt[j] if j < len(track.prompt) else None
+        if lp is None:
+            out.append(None)
+            continue
+        alts = (track.prompt_top[j] or [])[:k] if j < len(track.prompt_top) else []
+        ranks = {t: r + 1 for r, (t, _) in enumerate(alts)}
+        entry = {str(tok): {"logprob": lp, "rank": ranks.get(tok), "decoded_token": text(tok)}}
+        for t, v in alts:
+            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": text(t)})
+        out.append(entry)
+    return out
 
 
 def sglang_meta(track: LogprobTrack, text: TokenText | None,

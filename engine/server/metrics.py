@@ -7,6 +7,7 @@ from the scheduler's `cache_stats()` snapshot, refreshed at each scrape.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -131,6 +132,13 @@ SERVER_METRICS: tuple[tuple[str, str, str, tuple[float, ...] | None], ...] = (
 )
 
 
+# Distinct unknown field names counted by name; past this many (or a name that is long or odd),
+# they count as "(other)": a client must not grow the label set without bound.
+MAX_UNKNOWN_FIELD_LABELS = 64
+_FIELD_LABEL = re.compile(r"[A-Za-z0-9_.]{1,64}")
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
 class ServerMetrics:
     ttft: Histogram
     itl: Histogram
@@ -150,8 +158,26 @@ class ServerMetrics:
             metric = (Counter(PREFIX + name, doc, registry=r) if buckets is None
                       else Histogram(PREFIX + name, doc, buckets=buckets, registry=r))
             setattr(self, attr, metric)
+        self.refused_fields = Counter(
+            PREFIX + "refused_request_fields",
+            "Request fields refused with a 400, by field (list positions as *) and reason "
+            "(unsupported: a value the engine cannot honour; unknown: no API defines it).",
+            ["field", "reason"], registry=r)
+        self._unknown_labels: set[str] = set()
         self.cache = _CacheCollector()
         r.register(self.cache)
+
+    def refused(self, fields: Mapping[str, str]) -> None:
+        """Count each refused field of one request (`ApiError.fields`)."""
+        for name, reason in fields.items():
+            label = _INDEX.sub(".*", name)
+            if reason == "unknown" and label not in self._unknown_labels:
+                if len(self._unknown_labels) < MAX_UNKNOWN_FIELD_LABELS and \
+                        _FIELD_LABEL.fullmatch(label):
+                    self._unknown_labels.add(label)
+                else:
+                    label = "(other)"
+            self.refused_fields.labels(label, reason).inc()
 
     def finished(self, prompt: int, completion: int, cached: int, e2e: float) -> None:
         self.requests.inc()

@@ -80,6 +80,16 @@ def _prepare_generate(state: ServerState, body: GenerateBody) -> tuple[list[Any]
     return out, single
 
 
+def _per_prompt(value: str | list[str] | None, n_prompts: int, param: str) -> list[str | None]:
+    """SGLang's `rid` / `extra_key`: one value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n_prompts
+    if len(value) != n_prompts:
+        raise bad(f"{param} lists {len(value)} values for {n_prompts} prompt(s): give one per "
+                  "prompt", param)
+    return list(value)
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     tok_text = LF.make_token_text(state.tokenizer, state._tok_lock)
 
@@ -90,13 +100,16 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, single = got
         n = (body.sampling_params or GenerateSampling()).n
-        key = cache_key(body.extra_key, body.cache_salt)
+        keys = [cache_key(k, body.cache_salt)
+                for k in _per_prompt(body.extra_key, len(prepared), "extra_key")]
+        rids = _per_prompt(body.rid, len(prepared), "rid")
         cached: list[int] | None = None
         if n > 1:
-            cached = await prefill_prompts(state, [(ids, key) for ids, _ in prepared])
+            cached = await prefill_prompts(state, [(ids, keys[i])
+                                                   for i, (ids, _) in enumerate(prepared)])
         gens: list[Generation] = []
         for i, (ids, params) in enumerate(prepared):
-            gens += state.samples(ids, params, key, n, i * n, client_rid=body.rid)
+            gens += state.samples(ids, params, keys[i], n, i * n, client_rid=rids[i])
         lp_spec = OP.generate_logprobs(body)
         for g in gens:
             g.logprobs = lp_spec
@@ -188,7 +201,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         def tokens(b: LookupBody) -> list[int]:
             if (b.text is None) == (b.input_ids is None):
                 raise bad("give exactly one of text and input_ids", "text")
-            return list(state.tokenize(b.text if b.text is not None else b.input_ids, "text"))
+            src = b.text if b.text is not None else b.input_ids
+            assert src is not None
+            return list(state.tokenize(src, "text"))
 
         body, ids = await state.parse(request, LookupBody, tokens)
         out = await _control("lookup", {"input_ids": list(ids or []),

@@ -2,7 +2,9 @@
 
 `n` > 1 computes each prompt once (`prefill_prompts`), then samples n choices that share its
 pages; choices are numbered prompt-major (`index = prompt * n + sample`), streamed chunks carry
-their choice's `index`, and usage counts each prompt once and every choice's completion.
+their choice's `index`, and usage counts each prompt once and every choice's completion. With
+`stream_options: {"include_usage": true, "continuous_usage_stats": true}` every chunk also carries
+the usage so far of its choice (vLLM's; guidellm asks for it), and the last the total.
 """
 
 from __future__ import annotations
@@ -44,12 +46,37 @@ Prepared = list[tuple[list[int], dict[str, Any]]]
 
 def _params(state: ServerState, body: CompletionBody | ChatBody, prompt_len: int,
             max_tokens: int | None) -> dict[str, Any]:
+    extra = OP.openai_sampling(body)
+    if body.bad_words:
+        extra["bad_words_ids"] = state.words_ids(body.bad_words)
     return state.sampling(
         max_tokens=max_tokens, param="max_tokens", prompt_len=prompt_len,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop,
         stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos,
-        skip_special_tokens=body.skip_special_tokens, extra=OP.openai_sampling(body),
+        skip_special_tokens=body.skip_special_tokens, extra=extra,
     )
+
+
+def _one(value: str | list[str] | None, param: str) -> str | None:
+    """SGLang's list form of a field of one request: a one-element list is its value."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise bad(f"{param}: a list names one request per prompt; this route answers one "
+                  f"request, so give one, got {len(value)}", param)
+    return value[0]
+
+
+def _response_id(body: CompletionBody | ChatBody, prefix: str, gens: list[Generation]) -> str:
+    """SGLang's `rid` as it is, vLLM's `request_id` after the prefix, else the engine's id."""
+    rid = _one(body.rid, "rid")
+    if rid is not None:
+        return rid
+    return f"{prefix}-{body.request_id if body.request_id is not None else gens[0].rid}"
+
+
+def _cache_key(body: CompletionBody | ChatBody) -> str | None:
+    return cache_key(_one(body.extra_key, "extra_key"), body.cache_salt)
 
 
 def _chat_text(msg: ChatMessage, i: int) -> str:
@@ -75,7 +102,9 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
     state.check_n(body.n, len(prompts))
     out = []
     for i, pr in enumerate(prompts):
-        ids = state.tokenize(pr, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+        ids = state.tokenize(pr, "prompt" if len(prompts) == 1 else f"prompt.{i}",
+                             add_special_tokens=body.add_special_tokens,
+                             truncate=body.truncate_prompt_tokens)
         out.append((ids, _params(state, body, len(ids), body.max_tokens)))
     return out, [state.decode(ids) if body.echo else "" for ids, _ in out]
 
@@ -83,25 +112,33 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
     """The prompt's ids: the chat template over the messages; with `continue_final_message`
     and a last message from the assistant, the template over the others (with its generation
-    prompt) followed by that message's text, as SGLang builds it; or `input_ids` as given."""
+    prompt) followed by that message's text, as SGLang builds it (with
+    `add_generation_prompt: false`, vLLM's way: the template over all, the last message left
+    open); or `input_ids` as given."""
+    trunc = body.truncate_prompt_tokens
     if body.input_ids is not None:
-        return state.tokenize(body.input_ids, "input_ids")
+        return state.tokenize(body.input_ids, "input_ids", truncate=trunc)
     msgs: list[dict[str, str]] = []
     for i, m in enumerate(body.messages):
         msgs.append({"role": m.role, "content": _chat_text(m, i)})
         if m.name is not None:
             msgs[-1]["name"] = m.name
+    opts: dict[str, Any] = {"template_kwargs": body.chat_template_kwargs,
+                            "add_special_tokens": body.add_special_tokens}
+    if not body.add_generation_prompt:
+        return state.chat_ids(msgs, add_generation_prompt=False, truncate=trunc,
+                              continue_final_message=body.continue_final_message, **opts)
     prefix = None
     if body.continue_final_message and msgs[-1]["role"] == "assistant":
         prefix = msgs.pop()["content"]
         if not msgs:
             raise bad("continue_final_message needs a message before the assistant's",
                       "continue_final_message")
-    ids = state.chat_ids(msgs, template_kwargs=body.chat_template_kwargs)
+    ids = state.chat_ids(msgs, truncate=None if prefix else trunc, **opts)
     if prefix:
         tok = state.tokenize(prefix, f"messages.{len(msgs)}.content")
         bos = getattr(state.tokenizer.hf, "bos_token_id", None)
-        ids += tok[1:] if tok[0] == bos else tok
+        ids = state.truncate(ids + (tok[1:] if tok[0] == bos else tok), trunc)
         state.check_prompt(ids, "messages")
     return ids
 
@@ -162,9 +199,38 @@ def _new_lp(u: Update) -> bool:
                                        or u.logprobs.prompt_start >= 0 and u.lp_first == 0)
 
 
+def _running_usage(prepared: Prepared, n: int, u: Update) -> dict[str, Any]:
+    """The usage so far of `u`'s choice (a chunk's, with continuous_usage_stats)."""
+    prompt = len(prepared[u.index // n][0])
+    return {"prompt_tokens": prompt, "completion_tokens": u.completion_tokens,
+            "total_tokens": prompt + u.completion_tokens}
+
+
+def _stream_usage(body: CompletionBody | ChatBody) -> tuple[bool, bool]:
+    """(a last usage chunk, usage in every chunk) asked by `stream_options`."""
+    so = body.stream_options
+    last = bool(so and so.include_usage)
+    return last, last and bool(so and so.continuous_usage_stats)
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     name = state.model_name
-    tok_text = LF.make_token_text(state.tokenizer, state._tok_lock)
+    plain_text = LF.make_token_text(state.tokenizer, state._tok_lock)
+
+    def id_text(tok: int) -> str:
+        return f"token_id:{tok}"
+
+    def token_text(body: CompletionBody | ChatBody) -> LF.TokenText:
+        return id_text if body.return_tokens_as_token_ids else plain_text
+
+    def prompt_lp(body: CompletionBody | ChatBody, prepared: Prepared, n: int,
+                  u: Update) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` of `u`'s prompt, as a choice's field (none unless asked)."""
+        if body.prompt_logprobs is None or u.logprobs is None:
+            return {}
+        return {"prompt_logprobs": LF.prompt_logprobs(u.logprobs, token_text(body),
+                                                      prepared[u.index // n][0],
+                                                      body.prompt_logprobs)}
 
     def model_card() -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "hicache",
@@ -189,21 +255,22 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, echoes = got
         n = body.n
-        lp_spec = OP.completion_logprobs(body)
-        gens, cached = await _launch(state, prepared, n, cache_key(body.extra_key,
-                                                                   body.cache_salt), lp_spec)
-        cid, created = body.rid or f"cmpl-{gens[0].rid}", int(time.time())
+        gens, cached = await _launch(state, prepared, n, _cache_key(body),
+                                     OP.completion_logprobs(body))
+        cid, created = _response_id(body, "cmpl", gens), int(time.time())
+        tok_text = token_text(body)
 
         def logprobs(u: Update, first: int = 0, offset: int = 0,
                      echo: bool = False) -> dict[str, Any] | None:
-            if u.logprobs is None:
+            if u.logprobs is None or body.logprobs is None:
                 return None
             ids = prepared[u.index // n][0] if echo else None
-            return LF.completion_logprobs(u.logprobs, tok_text, first, ids, offset=offset)
+            return LF.completion_logprobs(u.logprobs, tok_text, first, ids, offset=offset,
+                                          k=body.logprobs)
 
         head = {"id": cid, "object": "text_completion", "created": created, "model": name}
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, every_chunk = _stream_usage(body)
 
             async def events() -> AsyncIterator[dict[str, Any]]:
                 started: set[int] = set()
@@ -221,8 +288,13 @@ def register(app: FastAPI, state: ServerState) -> None:
                                       first and body.echo)
                         if lp is not None and lp["tokens"]:
                             offsets[u.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                        yield {**head, "choices": [{"index": u.index, "text": text,
-                                                    "logprobs": lp, "finish_reason": reason}]}
+                        choice = {"index": u.index, "text": text, "logprobs": lp,
+                                  "finish_reason": reason,
+                                  **(prompt_lp(body, prepared, n, u) if first else {})}
+                        event: dict[str, Any] = {**head, "choices": [choice]}
+                        if every_chunk:
+                            event["usage"] = _running_usage(prepared, n, u)
+                        yield event
                     if u.finished:
                         finals[u.index] = u
                 if include_usage:
@@ -232,7 +304,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         results = await _completed(request, gens)
         choices = [{"index": u.index, "text": echoes[u.index // n] + u.text,
                     "logprobs": logprobs(u, echo=body.echo),
-                    "finish_reason": finish_reason_str(u.finish_reason)} for u in results]
+                    "finish_reason": finish_reason_str(u.finish_reason),
+                    **prompt_lp(body, prepared, n, u)} for u in results]
         return JSONResponse({**head, "choices": choices,
                              "usage": _usage(prepared, n, results, cached)})
 
@@ -241,40 +314,53 @@ def register(app: FastAPI, state: ServerState) -> None:
         body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
         assert prepared is not None
         n = body.n
-        gens, cached = await _launch(state, prepared, n, cache_key(body.extra_key, body.cache_salt),
+        gens, cached = await _launch(state, prepared, n, _cache_key(body),
                                      OP.chat_logprobs(body))
-        cid, created = body.rid or f"chatcmpl-{gens[0].rid}", int(time.time())
+        cid, created = _response_id(body, "chatcmpl", gens), int(time.time())
+        tok_text = token_text(body)
 
         def logprobs(u: Update, first: int = 0) -> dict[str, Any] | None:
-            return LF.chat_logprobs(u.logprobs, tok_text, first) if u.logprobs else None
+            if u.logprobs is None or not body.logprobs:
+                return None
+            return LF.chat_logprobs(u.logprobs, tok_text, first, k=body.top_logprobs or 0)
 
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name}
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, every_chunk = _stream_usage(body)
 
             def chunk(index: int, delta: dict[str, Any], finish: str | None,
-                      lp: dict[str, Any] | None = None) -> dict[str, Any]:
-                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                             "finish_reason": finish}]}
+                      lp: dict[str, Any] | None = None, u: Update | None = None,
+                      **extra: Any) -> dict[str, Any]:
+                out = {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                            "finish_reason": finish, **extra}]}
+                if every_chunk:
+                    out["usage"] = _running_usage(prepared, n, u) if u is not None else {
+                        "prompt_tokens": len(prepared[index // n][0]), "completion_tokens": 0,
+                        "total_tokens": len(prepared[index // n][0])}
+                return out
 
             async def events() -> AsyncIterator[dict[str, Any]]:
                 for g in gens:
                     yield chunk(g.index, {"role": "assistant", "content": ""}, None)
                 finals: dict[int, Update] = {}
+                started: set[int] = set()
                 async for u in merged(gens):
-                    if u.delta or _new_lp(u):
+                    extra = {} if u.index in started else prompt_lp(body, prepared, n, u)
+                    started.add(u.index)
+                    if u.delta or _new_lp(u) or extra:
                         yield chunk(u.index, {"content": u.delta}, None,
-                                    logprobs(u, u.lp_first))
+                                    logprobs(u, u.lp_first), u, **extra)
                     if u.finished:
                         finals[u.index] = u
-                        yield chunk(u.index, {}, finish_reason_str(u.finish_reason))
+                        yield chunk(u.index, {}, finish_reason_str(u.finish_reason), u=u)
                 if include_usage:
                     yield _usage_chunk(head, prepared, n, finals, cached)
 
             return sse_response(events())
         results = await _completed(request, gens)
         choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
-                    "logprobs": logprobs(u), "finish_reason": finish_reason_str(u.finish_reason)}
+                    "logprobs": logprobs(u), "finish_reason": finish_reason_str(u.finish_reason),
+                    **prompt_lp(body, prepared, n, u)}
                    for u in results]
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": _usage(prepared, n, results, cached)})

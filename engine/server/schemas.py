@@ -32,13 +32,21 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 fields: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        # The request's fields that were refused: name -> "unsupported" (a row of
+        # engine.server.request_fields at a value it does not take) or "unknown".
+        self.fields = fields or {}
+
+    def with_fields(self, fields: dict[str, str]) -> ApiError:
+        self.fields = fields
+        return self
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -61,6 +69,17 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: the usage in every chunk
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -92,12 +111,14 @@ class _OpenAISampling(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string / stop token's text
-    user: str | None = None
-    rid: str | None = None  # the client's name of the request: the response's id
+    include_stop_str_in_output: bool = False  # vLLM's no_stop_trim
+    # The client's name of the request: the response's id (SGLang's list form: one element).
+    rid: str | list[str] | None = None
+    request_id: str | None = None  # vLLM's: the response's id is cmpl- / chatcmpl- and this
     # Cache isolation (a tenant salt): requests with different salts never share pages.
     # SGLang's extra_key does the same; both given, the pair is the namespace.
     cache_salt: str | None = None
-    extra_key: str | None = None
+    extra_key: str | list[str] | None = None
     # Sampling beyond the basics (engine.server.openai_params maps them).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -105,10 +126,21 @@ class _OpenAISampling(_Body):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
-    # SGLang's structured output (at most one; or response_format).
+    # SGLang's structured output (at most one; or response_format, or vLLM's).
     regex: str | None = None
     ebnf: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's prompt and logprob options.
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionBody(_OpenAISampling):
@@ -117,6 +149,7 @@ class CompletionBody(_OpenAISampling):
     echo: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
     json_schema: str | None = None
+    add_special_tokens: bool = True  # BOS in front of a text prompt
 
 
 class TextPart(_Body):
@@ -138,6 +171,8 @@ class ChatBody(_OpenAISampling):
     # The last message, an assistant's, is continued: the template's generation prompt, then
     # its text (SGLang's way).
     continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # special tokens added when the templated text is tokenized
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template
     input_ids: list[int] | None = None  # the prompt already tokenized (no template)
 
@@ -171,8 +206,9 @@ class GenerateBody(_Body):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling | None = None
     stream: bool = False
-    rid: str | None = None  # the client's name for the request (echoed as meta_info.id)
-    extra_key: str | None = None
+    # The client's name for the request (echoed as meta_info.id); a list: one per prompt.
+    rid: str | list[str] | None = None
+    extra_key: str | list[str] | None = None  # a list: one per prompt
     cache_salt: str | None = None  # as extra_key (both given: the pair)
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
@@ -203,33 +239,61 @@ _SCOPE: dict[type[BaseModel], str] = {
 }
 
 
-def _take(data: dict[str, Any], table: Mapping[str, RF.Row], prefix: str = "") -> None:
-    """Raise for a field of `table` with a value its row does not take; drop the others (the
-    models do not declare them)."""
-    for name in [n for n in data if n in table]:
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _take(data: dict[str, Any], table: Mapping[str, RF.Row], refused: dict[str, str],
+          prefix: str = "") -> None:
+    """Note in `refused` each default-only field of `table` with a value its row does not take
+    (name -> why); drop the others (the models do not declare them). Honoured rows stay."""
+    for name in [n for n in data if n in table and not table[n].honoured]:
         value = data[name]
-        if not table[name].takes(value):
-            shown = repr(value)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise bad(f"{prefix}{name} is not supported by this server with the value {shown}: "
-                      f"it asks for {table[name].asks}, which this engine does not do (it would "
-                      "be ignored, so the request is refused)", prefix + name,
-                      code="unsupported_parameter")
+        row = table[name]
+        if not row.takes(value):
+            refused[prefix + name] = (f"{prefix}{name}={_shown(value)} asks for {row.asks}, "
+                                      "which this engine does not do")
         del data[name]
 
 
-def _take_fields(data: dict[str, Any], scope: str) -> None:
-    _take(data, RF.TABLES[scope])
-    nested = {RF.GENERATE: (("sampling_params", RF.SAMPLING),),
-              RF.COMPLETION: (("stream_options", RF.STREAM_OPTIONS),),
-              RF.CHAT: (("stream_options", RF.STREAM_OPTIONS),)}[scope]
-    for key, where in nested:
+_NESTED: dict[str, tuple[tuple[str, str], ...]] = {
+    RF.GENERATE: (("sampling_params", RF.SAMPLING),),
+    RF.COMPLETION: (("stream_options", RF.STREAM_OPTIONS),
+                    ("structured_outputs", RF.STRUCTURED)),
+    RF.CHAT: (("stream_options", RF.STREAM_OPTIONS), ("structured_outputs", RF.STRUCTURED)),
+}
+
+
+def _take_fields(data: dict[str, Any], scope: str) -> dict[str, str]:
+    refused: dict[str, str] = {}
+    _take(data, RF.TABLES[scope], refused)
+    for key, where in _NESTED[scope]:
         if isinstance(data.get(key), dict):
-            _take(data[key], RF.TABLES[where], key + ".")
+            _take(data[key], RF.TABLES[where], refused, key + ".")
     if scope == RF.CHAT and isinstance(data.get("messages"), list):
         for i, msg in enumerate(data["messages"]):
             if isinstance(msg, dict):
-                _take(msg, RF.TABLES[RF.MESSAGE], f"messages.{i}.")
+                _take(msg, RF.TABLES[RF.MESSAGE], refused, f"messages.{i}.")
+    return refused
+
+
+def _refusal(refused: dict[str, str], unknown: list[str]) -> ApiError:
+    """One 400 that names every refused field: those asking for what the engine does not do
+    (`unsupported_parameter`, whatever --allow-unknown-fields says) and the unknown ones."""
+    parts = [*refused.values()]
+    if unknown:
+        parts.append(f"{', '.join(unknown)}: unknown field{'s' if len(unknown) > 1 else ''} "
+                     "(start the server with --allow-unknown-fields to ignore unknown fields)")
+    names = [*refused, *unknown]
+    if refused:
+        msg = ("not supported by this server (the request would get less than it asked for, "
+               "so it is refused): " + "; ".join(parts))
+    else:
+        msg = parts[0]
+    fields = {**{n: "unsupported" for n in refused}, **{n: "unknown" for n in unknown}}
+    return bad(msg, ", ".join(names), code="unsupported_parameter" if refused
+               else "unknown_field").with_fields(fields)
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -278,28 +342,31 @@ def load_json(raw: bytes) -> dict[str, Any]:
 
 def validate(data: dict[str, Any], model: type[Any], allow_unknown: bool = False) -> Any:
     """`data` as `model`, strictly; other APIs' fields taken or refused, unknown ones refused
-    (or dropped with `allow_unknown`)."""
+    (or dropped with `allow_unknown`). One 400 names every refused and unknown field."""
     scope = _SCOPE.get(model)
-    if scope is not None:
-        _take_fields(data, scope)
+    refused = _take_fields(data, scope) if scope is not None else {}
+    unknown: list[str] = []
     for _ in range(8):  # each retry drops the unknown fields pydantic reported
         try:
-            return model.model_validate(data)
+            body = model.model_validate(data)
         except ValidationError as e:
             errors = e.errors()
             extra = [err for err in errors if err.get("type") == "extra_forbidden"]
-            if allow_unknown and extra and len(extra) == len(errors):
-                for err in extra:
-                    _drop(data, err.get("loc", ()))
-                continue
-            err = (extra or errors)[0]
+            for err in extra:
+                _drop(data, err.get("loc", ()))
+                if not allow_unknown:
+                    unknown.append(".".join(str(x) for x in err.get("loc", ())))
+            if extra and len(extra) == len(errors):
+                continue  # again without them
+            if refused or unknown:
+                raise _refusal(refused, unknown) from e
+            err = next(x for x in errors if x.get("type") != "extra_forbidden")
             param = ".".join(str(x) for x in err.get("loc", ())) or None
-            if err.get("type") == "extra_forbidden":
-                raise bad(f"{param}: unknown field (start the server with "
-                          "--allow-unknown-fields to ignore unknown fields)", param,
-                          code="unknown_field") from e
             msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
             raise bad(msg, param) from e
+        if refused or unknown:
+            raise _refusal(refused, unknown)
+        return body
     raise bad("too many unknown fields")
 
 

@@ -136,33 +136,89 @@ class ServerState:
                       f"at most {self.max_token_chars}): it is longer than the context of "
                       f"{self.info.context_length} tokens", param, code="context_length_exceeded")
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", *,
+                 add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """`prompt`'s ids, checked; `add_special_tokens=False`: no BOS (vLLM's
+        `add_special_tokens`); `truncate`: keep the last k tokens (`truncate_prompt_tokens`)."""
         if isinstance(prompt, str):
-            self.check_chars(len(prompt), param)
+            if truncate is None:
+                self.check_chars(len(prompt), param)
             try:
                 with self._tok_lock:
-                    ids = self.tokenizer.encode(prompt)
+                    ids = self.tokenizer.encode(prompt) if add_special_tokens else \
+                        list(self.tokenizer.hf.encode(prompt, add_special_tokens=False))
             except ConfigError as e:  # no tokenizer (a dummy-weight model): send token ids
                 raise bad(str(e), param) from e
         else:
             ids = list(prompt)
+        ids = self.truncate(ids, truncate)
         self.check_prompt(ids, param)
         return ids
 
+    def truncate(self, ids: list[int], k: int | None,
+                 param: str = "truncate_prompt_tokens") -> list[int]:
+        """The last `k` of `ids` (vLLM's `truncate_prompt_tokens`; -1: as many as the context
+        takes with one token to generate)."""
+        if k is None:
+            return ids
+        limit = min(self.info.context_length, self.info.max_total_tokens) - 1
+        if k == -1:
+            k = limit
+        if not 1 <= k <= limit:
+            raise bad(f"{param} must be -1 or in 1..{limit} (the context length less one), "
+                      f"got {k}", param)
+        return ids[-k:]
+
+    def words_ids(self, words: Sequence[str], param: str = "bad_words") -> list[list[int]]:
+        """vLLM's `bad_words` as token sequences: each word alone and after a space (when that
+        gives another first token and as many tokens), no special tokens."""
+        out: list[list[int]] = []
+        with self._tok_lock:
+            for word in words:
+                if not word.strip():
+                    raise bad(f"{param}: an empty word", param)
+                try:
+                    plain = list(self.tokenizer.hf.encode(word.lstrip(),
+                                                          add_special_tokens=False))
+                    spaced = list(self.tokenizer.hf.encode(" " + word.lstrip(),
+                                                           add_special_tokens=False))
+                except ConfigError as e:
+                    raise bad(str(e), param) from e
+                out.append(plain)
+                if spaced[0] != plain[0] and len(spaced) == len(plain):
+                    out.append(spaced)
+        return out
+
     def chat_ids(self, messages: list[dict[str, str]], param: str = "messages",
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The chat template over `messages` with its generation prompt; `template_kwargs`:
-        extra variables of the template (SGLang's `chat_template_kwargs`)."""
-        self.check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), param)
+                 template_kwargs: dict[str, Any] | None = None, *,
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 add_special_tokens: bool = False, truncate: int | None = None) -> list[int]:
+        """The chat template over `messages` (with its generation prompt unless
+        `add_generation_prompt=False`; `continue_final_message`: the last message left open, as
+        transformers does it); `template_kwargs`: extra variables of the template (SGLang's
+        `chat_template_kwargs`); `add_special_tokens`: the rendered text tokenized with them
+        (vLLM's; by default the template's own are all); `truncate`: the last k tokens."""
+        if truncate is None:
+            self.check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), param)
+        kw = dict(template_kwargs or {})
+        if continue_final_message:
+            kw["continue_final_message"] = True
         try:
             with self._tok_lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         **(template_kwargs or {}))
+                if add_special_tokens:
+                    text = self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                        **kw)
+                    ids = list(self.tokenizer.hf.encode(text, add_special_tokens=True))
+                else:
+                    ids = self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=add_generation_prompt, **kw)
         except ConfigError as e:
             raise bad(str(e), param) from e
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise bad(f"the chat template failed on these messages: {e}", param) from e
         assert isinstance(ids, list)
+        ids = self.truncate(ids, truncate)
         self.check_prompt(ids, param)
         return ids
 
