@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from storage_backends.server import admin_protocol as A
 from storage_backends.server import protocol as P
 
 SAMPLES: list[P.Message] = [
@@ -53,7 +54,7 @@ SAMPLES: list[P.Message] = [
     P.ShmReleaseReply(request_id=18, released=2),
     P.AdminLookupRequest(request_id=19, token="adm", keys=["a", "b"]),
     P.AdminLookupReply(request_id=19, count=2, in_memory=1, pinned=1),
-    P.PinRequest(request_id=20, token="adm", keys=["a"], ttl_ms=5000),
+    P.PinRequest(request_id=20, token="adm", keys=["a"], ttl_ms=5000, require_all=True),
     P.PinReply(request_id=20, pinned=1, absent=0, pinned_bytes=4096, limit_bytes=1 << 20),
     P.UnpinRequest(request_id=21, token="adm", keys=["a"]),
     P.UnpinReply(request_id=21, unpinned=1),
@@ -62,6 +63,9 @@ SAMPLES: list[P.Message] = [
     P.AdminStatsRequest(request_id=23, token="adm"),
     P.AdminStatsReply(request_id=23, namespaces={"ef" * 32: {"pages": 1, "hits": 2}},
                       totals={"pages": 1}),
+    A.AdminPinsRequest(request_id=25, token="adm"),
+    A.AdminPinsReply(request_id=25, keys=["a", "b"], namespaces=["ef" * 32, "-"],
+                     sizes=[4096, -1], ttl_left_ms=[-1, 1500], limit_bytes=1 << 20),
     P.ReloadTenantsRequest(request_id=24, token="adm"),
     P.ReloadTenantsReply(request_id=24, summary="2 tenants, 3 tokens (1 added, 1 removed)"),
 ]
