@@ -24,6 +24,16 @@ SGLANG_ROUTER_DIR := $(VENV)/sglang-router
 # pandas), off sys.path too: only the bench_serving test puts it there.
 SGLANG_BENCH_DEPS ?= datasets==5.2.0 multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
 SGLANG_BENCH_DIR := $(VENV)/sglang-bench
+# guidellm (vLLM's benchmarking tool; tests/engine/test_server_guidellm.py), off sys.path: it would
+# move click and multidict below the main venv's pins. These are exactly what pip resolves for it
+# beside the main venv (pip install --dry-run --report), so --no-deps never pulls another torch.
+GUIDELLM_DEPS ?= guidellm==0.8.1 click==8.4.2 culsans==0.10.0 h2==4.4.1 hpack==4.2.0 \
+  hyperframe==6.1.0 aiologic==0.17.1 datasets==5.2.0 multiprocess==0.70.19 ftfy==6.3.1 \
+  more-itertools==11.2.1 pyarrow==26.0.1 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
+  uvloop==0.23.0 websockets==17.4 wrapt==2.5.2 eval_type_backport==0.4.0 Faker==40.63.0 \
+  pandas==3.1.1 sanic==25.12.1 multidict==6.9.1 html5tagger==2.0.0 sanic-routing==23.12.0 \
+  tracerite==2.6.5 ujson==6.1.0 tabulate==0.10.0 wcwidth==0.9.4
+GUIDELLM_DIR := $(VENV)/guidellm
 # SGLang's device and host KV pools import its model-config registry, which imports torchvision.
 # PyPI has no CPU torchvision, so the build made for this torch goes into its own directory, off
 # sys.path: only the SGLang tests and benchmark put it there (tests/integrations/sglang_env.py).
@@ -52,6 +62,7 @@ $(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml clients/client_sp
 	  $(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_TV_DIR) $(SGLANG_TORCHVISION); fi
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_ROUTER_DIR) $(SGLANG_ROUTER_SPEC)
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_BENCH_DIR) $(SGLANG_BENCH_DEPS)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(GUIDELLM_DIR) $(GUIDELLM_DEPS)
 	touch $(STAMP)
 
 setup: $(STAMP)
