@@ -236,3 +236,23 @@ def test_warmup_counts_only_the_measured_requests(tmp_path: Path, warmup: float)
         assert opt.hit_tokens <= paged_all.hit_tokens
     with pytest.raises(ValueError, match="warm-up"):
         fast.stack_distances(arrs, warmup=1.0)
+
+
+def test_stream_densifies_raw_hash_ids_in_order_of_first_appearance(tmp_path: Path) -> None:
+    """The streamed reader hands raw Mooncake ids (huge ones too) to the sink, which numbers
+    them as the reader's dict does: the arrays equal those of the non-streamed read."""
+    big = [2**70 + 5, 2**63, 2**63 - 1, 7]
+    rows = [
+        {"timestamp": 0, "input_length": 8, "output_length": 3, "hash_ids": [big[0], big[1]]},
+        {"timestamp": 1, "input_length": 12, "output_length": 0, "hash_ids": [big[0], 9, 3]},
+        {"timestamp": 2, "input_length": 8, "output_length": 9, "hash_ids": [big[2], big[3]]},
+        {"timestamp": 3, "input_length": 9, "output_length": 1, "hash_ids": [big[0], 9, 3]},
+    ]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = read_trace(path, block_size=4)
+    tr, got = streamed(path, 4, block_size=4)
+    assert tr.num_blocks == 0 and whole.num_blocks == 6
+    assert_arrays_equal(got, from_trace(whole, 4))
+    # request 0: its blocks, then the one page of its unique token + 3 outputs (ids from 7 up)
+    assert got.pages[:6].tolist() == [0, 1, 7, 0, 2, 3] and got.path(2).tolist() == [4, 5, 8, 9]

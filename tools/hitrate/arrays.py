@@ -76,6 +76,7 @@ class BlockSink:
 
     def __init__(self) -> None:
         self.blocks: array[int] = array("q")
+        self._big: dict[int, int] = {}  # raw ids beyond int64 -> negative stand-ins
         self.n_blocks: array[int] = array("q")
         self.input_len: array[int] = array("q")
         self.output_len: array[int] = array("q")
@@ -83,7 +84,12 @@ class BlockSink:
 
     def __call__(self, req: Request) -> None:
         assert req.blocks is not None
-        self.blocks.extend(req.blocks)
+        try:
+            self.blocks.extend(req.blocks)
+        except OverflowError:  # a hash id of 64 bits or more: a stand-in below 0, one per id
+            big = self._big
+            self.blocks.extend(b if b < 1 << 63 else big.setdefault(b, -1 - len(big))
+                               for b in req.blocks)
         self.n_blocks.append(len(req.blocks))
         self.input_len.append(req.input_len)
         self.output_len.append(req.output_len)
@@ -105,7 +111,10 @@ class BlockSink:
         Layout(trace, page_size)  # the same checks (page size divides the block size, ...)
         bs = trace.block_size or 0
         m = bs // page_size
-        blocks = _np(self.blocks, np.int64)
+        raw = np.frombuffer(self.blocks, np.int64) if len(self.blocks) else np.zeros(0, np.int64)
+        blocks, num_blocks = dense_ids(raw)
+        del raw
+        self.blocks = array("q")  # the buffer goes once the view does
         nb = _np(self.n_blocks, np.int64)
         inp = _np(self.input_len, np.int64)
         out = _np(self.output_len, np.int64)
@@ -116,9 +125,22 @@ class BlockSink:
             blocks, boff = fast.gather_segments(blocks, boff, order)
             inp, out = inp[order], out[order]
         n_extra = (1 + (np.zeros_like(out) if ignore_output else out)) // page_size
-        base = (trace.num_blocks + 1) * m
+        base = (num_blocks + 1) * m
         pages, offsets, num_pages = fast.block_paths(blocks, boff, m, n_extra, base)
         return PageArrays(pages, offsets, np.diff(boff) * m, inp, out, page_size, num_pages)
+
+
+def dense_ids(raw: np.ndarray) -> tuple[np.ndarray, int]:
+    """Ids renumbered 0, 1, ... in order of first appearance (as `traces._Reader` numbers
+    blocks), and how many distinct there are. Already dense ids come back unchanged."""
+    if not len(raw):
+        return raw, 0
+    uniq, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+    del uniq
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
+    del first
+    return rank[inverse.reshape(-1)], len(rank)
 
 
 def _np(buf: array, dtype: type) -> np.ndarray:

@@ -16,6 +16,7 @@ machine code next to the module (`cache=True`), so only the first run pays the c
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -317,7 +318,7 @@ def _heap_pop(hk, hp, size):  # type: ignore[no-untyped-def]
     return size
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult, start):  # type: ignore[no-untyped-def]
     n = len(n_lookup)
     key = np.full(num_pages, -1, np.int64)  # cached page -> next use * depth_mult + depth
@@ -375,21 +376,34 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
     return hit_tokens, hit_requests, hit_pages
 
 
-def belady(arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0) -> list[OptResult]:
-    """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once.
+def belady(
+    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int | None = None
+) -> list[OptResult]:
+    """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once and
+    the capacities run on `threads` threads (default: one per CPU; the kernel releases the GIL).
     `warmup`: as in `stack_distances`."""
     start = warmup_start(arrs, warmup)
     if not arrs.requests:
         return [OptResult(c, 0, 0, 0) for c in capacities]
     nu = _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages))
     depth_mult = int(np.diff(arrs.offsets).max()) + 1
-    out = []
-    for c in capacities:
+
+    def one(c: int) -> tuple[int, int, int]:
         t, r, p = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
                           np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c), nu,
                           np.int64(depth_mult), np.int64(start))
-        out.append(OptResult(int(c), int(t), int(r), int(p)))
-    return out
+        return int(t), int(r), int(p)
+
+    todo = sorted(set(int(c) for c in capacities), reverse=True)  # the long passes first
+    workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+    if workers == 1:
+        done = {c: one(c) for c in todo}
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            done = dict(zip(todo, pool.map(one, todo)))
+    return [OptResult(int(c), *done[int(c)]) for c in capacities]
 
 
 # --- sharing -----------------------------------------------------------------------------------

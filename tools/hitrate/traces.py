@@ -207,6 +207,9 @@ class _Reader:
         self.tokenizer = tokenizer
         self.add_generation_prompt = add_generation_prompt
         self.block_ids: dict[Any, int] = {}
+        # Mooncake hash ids handed on as they are (a streaming sink densifies them in numpy,
+        # without a dict entry per distinct block).
+        self.raw_ids = False
         self.kv_bytes_per_token: float | None = None
         self.lm_chunk: int | None = None
         self.parse: Callable[[dict[str, Any], int], Request] = getattr(self, f"_{fmt}")
@@ -237,7 +240,7 @@ class _Reader:
             ts=ts,
             input_len=input_len,
             output_len=output_len,
-            blocks=self._dense(hashes),
+            blocks=hashes if self.raw_ids else self._dense(hashes),
         )
 
     def _lmcache(self, obj: dict[str, Any], n: int) -> Request:
@@ -389,6 +392,8 @@ def read_trace(
     `sink`: each block-trace request (mooncake, lmcache) goes to `sink` instead of
     `Trace.requests`, which is then empty and `Trace.count` says how many there were (a stream:
     `arrays.BlockSink` keeps only their block ids); token-trace requests are kept as usual.
+    Mooncake requests reach the sink with their raw `hash_ids` (the sink makes them dense, and
+    `Trace.num_blocks` is then 0).
     """
     path = Path(path)
     limits = limits or Limits()
@@ -455,6 +460,7 @@ def read_trace(
                 )
                 continue
             reader = _Reader(use, block_size, tokenizer, add_generation_prompt, limits)
+            reader.raw_ids = sink is not None and use == "mooncake"
         if not isinstance(obj, dict):
             reject(lineno, f"expected a JSON object, got {type(obj).__name__}")
             continue
