@@ -5,7 +5,9 @@ existing one: HICACHE_BENCH_HICACHE_URL, with HICACHE_BENCH_HICACHE_TOKEN if it 
 the server's shared-memory store and writes them through its own region (no page byte crosses
 TCP). `hicache-region` turns the store off (`--shm-store-bytes 0`: reads go through the region
 too, one copy more); `hicache-tcp` is the default server with a `"shm": false` client (ZeroMQ
-frames over loopback TCP). The three data paths are measured side by side.
+frames over loopback TCP). The three data paths are measured side by side. Each has a
+`-sealed` twin whose client seals every record (`encryption_key`: AES-256-GCM, hicache_seal),
+so the cost of encryption is read off the same run, path by path.
 
 The server's memory capacity is HICACHE_BENCH_HICACHE_CAPACITY (default 8GiB): keep it above the
 benchmark's working set, or the numbers include evictions.
@@ -39,7 +41,8 @@ def _server(tmp: Path, args: tuple[str, ...] = ()) -> Iterator[tuple[str, str | 
 
 @contextmanager
 def _start(
-    tmp: Path, name: str = "hicache", shm: bool = True, args: tuple[str, ...] = ()
+    tmp: Path, name: str = "hicache", shm: bool = True, args: tuple[str, ...] = (),
+    seal: bool = False,
 ) -> Iterator[ClientFactory]:
     from storage_backends.hicache_backend import HiCacheServerBackend
 
@@ -49,14 +52,23 @@ def _start(
             extra: dict[str, Any] = {"url": url, "timeout_ms": 30000, "shm": shm}
             if token:
                 extra["auth_token"] = token
+            if seal:
+                extra["encryption_key"] = _BENCH_KEY
             return BackendClient(HiCacheServerBackend(bench_config(extra)))
 
         yield make
 
+
+_BENCH_KEY = "5e" * 32  # a fixed AES-256 key: the benchmark measures the cost, not secrecy
 
 TARGETS = [
     Target("hicache", _start),
     Target("hicache-region", partial(_start, name="hicache-region",
                                      args=("--shm-store-bytes", "0"))),
     Target("hicache-tcp", partial(_start, name="hicache-tcp", shm=False)),
+    Target("hicache-sealed", partial(_start, name="hicache-sealed", seal=True)),
+    Target("hicache-region-sealed", partial(_start, name="hicache-region-sealed",
+                                            args=("--shm-store-bytes", "0"), seal=True)),
+    Target("hicache-tcp-sealed", partial(_start, name="hicache-tcp-sealed", shm=False,
+                                         seal=True)),
 ]

@@ -288,6 +288,10 @@ def show_pins(out: dict[str, Any]) -> str:
     return (_table(rows) + "\n" + tail) if pins else tail
 
 
+def cmd_reload_tenants(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
+    return {"summary": c.call(P.ReloadTenantsRequest(), P.ReloadTenantsReply).summary}
+
+
 def cmd_stats(c: AdminClient, a: argparse.Namespace) -> dict[str, Any]:
     r = c.call(P.AdminStatsRequest(), P.AdminStatsReply)
     return {"namespaces": r.namespaces, "totals": r.totals}
@@ -318,6 +322,7 @@ COMMANDS = {
                                    f"{o['unpinned']} pins dropped"),
     "pins": (cmd_pins, show_pins),
     "stats": (cmd_stats, show_stats),
+    "reload-tenants": (cmd_reload_tenants, lambda o: f"tenants reloaded: {o['summary']}"),
 }
 
 
@@ -432,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     st = sub.add_parser("stats", help="pages, bytes, hits, misses, pins per namespace")
     st.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    rt = sub.add_parser("reload-tenants", help="read the server's --tenants-file again (as "
+                        "SIGHUP does): added, removed and rotated tokens apply from the next "
+                        "request; a file that does not load changes nothing (exit status 1)")
+    rt.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     return p
 
 

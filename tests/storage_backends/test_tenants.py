@@ -193,7 +193,8 @@ def test_partitions_survive_a_restart_and_files_name_their_partition(
 
 
 def test_rotation_by_sighup_and_by_the_admin_call(server: HiCacheServerProc, raw: Any,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     keys, recs = pages("a", N, 1000)
     old = raw(TOK_A)
     assert ask(old, P.SetRequest(keys=keys, frames=[bytes(r) for r in recs])) == \
@@ -222,6 +223,20 @@ def test_rotation_by_sighup_and_by_the_admin_call(server: HiCacheServerProc, raw
     bad = ask(admin, P.ReloadTenantsRequest())
     assert isinstance(bad, P.ErrorReply) and "at least 16 characters" in bad.message
     assert ask(new, P.ExistsRequest(keys=keys)) == P.ExistsReply(request_id=new.rid, count=N)
+    # hicache-admin reload-tenants: the same call; a failure is one line and exit status 1.
+    from storage_backends.server.admin_cli import main as admin_main
+
+    cli = ["--url", server.url, "--admin-token", ADMIN, "reload-tenants"]
+    capsys.readouterr()
+    assert admin_main(cli) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hicache-admin: ") and "at least 16 characters" in err
+    assert err.count("\n") == 1
+    write_tenants(tfile, [TOK_A2, TOK_A])
+    assert admin_main(cli) == 0
+    assert capsys.readouterr().out == \
+        "tenants reloaded: 3 tenants, 4 tokens (1 added, 0 removed)\n"
+    assert isinstance(ask(old, P.PingRequest()), P.PingReply)
     assert TOK_A2 not in server.log() and TOK_A not in server.log()
 
 
@@ -261,3 +276,50 @@ def test_server_refuses_a_tenants_file_with_a_shared_token(tmp_path: Path) -> No
     path = write_tenants(tmp_path / "t.toml", [TOK_A])
     with pytest.raises(SystemExit):
         config_from_args(["--tenants-file", str(path), "--auth-token", "x" * 16])
+
+
+def _from_sglang(url: str, token: str, key: str) -> dict[str, Any]:
+    from integrations.sglang.settings import parse_settings
+
+    return {"url": url, **parse_settings({"auth_token": token, "encryption_key": key}).client}
+
+
+def _from_lmcache(url: str, token: str, key: str) -> dict[str, Any]:
+    from integrations.lmcache.settings import resolve
+
+    p = "remote_storage_plugin.hicache."
+    extra = {p + "auth_token": token, p + "encryption_key": key}
+    return resolve(extra, "hicache://" + url.removeprefix("tcp://"), None).backend_extra
+
+
+@pytest.mark.parametrize("settings", [_from_sglang, _from_lmcache], ids=["sglang", "lmcache"])
+def test_plugins_pass_the_tenant_token_and_key_through(
+        server: HiCacheServerProc, settings: Any) -> None:
+    from hicache.storage import StorageConfig
+    from storage_backends.hicache_backend import HiCacheServerBackend
+
+    key = "33" * 32
+
+    def backend(token: str) -> HiCacheServerBackend:
+        cfg = {**settings(server.url, token, key), "timeout_ms": 5000}
+        return HiCacheServerBackend(StorageConfig(extra=cfg, namespace=NAMESPACE.hex()))
+
+    with pytest.raises(ConfigError, match="unknown tenant token"):
+        backend("not-a-tenant-token-01")
+    keys, recs = pages("plugin", 2, 1000)
+    b = backend(TOK_B)
+    try:
+        assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True, True]
+        out = buffers(2, len(recs[0]))
+        assert b.batch_get(keys, out) == [True, True]
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+    finally:
+        b.close()
+    got = RawClient(server.url)
+    try:
+        got.token = TOK_B  # type: ignore[attr-defined]
+        reply = ask(got, P.GetRequest(keys=keys))
+        assert isinstance(reply, P.GetReply)
+        assert all(bytes(f)[:4] == b"HKVS" for f in reply.frames) and len(reply.frames) == 2
+    finally:
+        got.close()
