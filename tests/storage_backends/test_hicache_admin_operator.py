@@ -226,3 +226,26 @@ def test_a_tiny_ttl_is_a_lease_not_a_pin_forever(tmp_path: Path) -> None:
     finally:
         a.close()
         srv.stop()
+
+
+def test_the_file_tiers_cap_never_evicts_a_kept_page(tmp_path: Path) -> None:
+    """`FileBackend.keep` (the server's pins): the LRU skips kept pages' files, and a page that
+    could only fit by evicting one is refused (False), evicting nothing."""
+    from storage_backends.file_backend import FileBackend
+
+    fb = FileBackend(StorageConfig(extra={"path": str(tmp_path / "d"),
+                                          "capacity_bytes": 3 * 100}))
+    keys = [f"{i:02x}" * 8 for i in range(6)]
+    kept = {keys[0]}
+    fb.keep = kept.__contains__
+    page = memoryview(bytes(100))
+    assert fb.batch_set(keys[:3], [page] * 3) == [True] * 3
+    assert fb.batch_set([keys[3]], [page]) == [True]  # evicts keys[1], the oldest not kept
+    assert [fb.batch_exists([k]) for k in keys[:4]] == [1, 0, 1, 1]
+    kept.update(keys[2:4])
+    assert fb.batch_set([keys[4]], [page]) == [False]  # only kept pages could make room
+    assert [fb.batch_exists([k]) for k in keys[:5]] == [1, 0, 1, 1, 0]
+    kept.discard(keys[2])
+    assert fb.batch_set([keys[4]], [page]) == [True]
+    assert [fb.batch_exists([k]) for k in keys[:5]] == [1, 0, 0, 1, 1]
+    fb.close()
