@@ -387,6 +387,12 @@ def _engine_url(text: str) -> str:
     return text
 
 
+def _json_flag(sp: argparse.ArgumentParser) -> None:
+    """`--json` after the command too (as before it)."""
+    sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                    help="print JSON instead of text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hicache-admin", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", type=_url,
@@ -418,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--cache-salt", help="the requests' cache_salt")
         sp.add_argument("--engine-api-key", default=argparse.SUPPRESS,
                         help="the engines' --api-key (as before the command)")
-        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        _json_flag(sp)
 
     prompt_args(sub.add_parser("lookup", help="how much of a prompt the server and engines hold"))
     pin = sub.add_parser("pin", help="keep a prompt's pages from eviction (optionally leased)")
@@ -429,18 +435,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "(else nothing is pinned and the exit status is 1)")
     prompt_args(sub.add_parser("unpin", help="end a prompt's pins"))
     pins = sub.add_parser("pins", help="list the pins: namespace, key, bytes, lease left")
-    pins.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(pins)
     clear = sub.add_parser("clear", help="delete one namespace's pages, or all (--all)")
     clear.add_argument("--namespace", type=_namespace,
                        help="the namespace to clear (64 hex, from stats)")
     clear.add_argument("--all", action="store_true", help="every page of the server")
-    clear.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(clear)
     st = sub.add_parser("stats", help="pages, bytes, hits, misses, pins per namespace")
-    st.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(st)
     rt = sub.add_parser("reload-tenants", help="read the server's --tenants-file again (as "
                         "SIGHUP does): added, removed and rotated tokens apply from the next "
                         "request; a file that does not load changes nothing (exit status 1)")
-    rt.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    _json_flag(rt)
     return p
 
 
