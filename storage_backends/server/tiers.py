@@ -243,7 +243,8 @@ class Tiers:
 
     def delete(self, keys: list[str]) -> int:
         self.store.expire_leases()
-        self.pins.unpin(keys)
+        if len(self.pins) and (dropped := self.pins.unpin(keys)):
+            logger.info("a delete of %d pages dropped %d pins", len(keys), dropped)
         n = self.store.delete(keys)
         if self.persist is not None:
             n = max(n, self.persist.delete(keys))
@@ -260,8 +261,9 @@ class Tiers:
         """Drop every page whose record names `namespace`, in both tiers; how many (the larger
         of the two tiers' counts, as `delete`); its pins and counters go too."""
         ns = namespace.hex()
-        if len(self.pins):
-            self.pins.unpin([k for k, n, _ in self.store.held() if n == ns])
+        if len(self.pins) and (dropped := self.pins.unpin(
+                [k for k, n, _ in self.store.held() if n == ns])):
+            logger.info("clearing namespace %s dropped %d pins", ns, dropped)
         self.namespaces.forget(ns)
         n = self.store.clear_namespace(namespace)
         if self.persist is not None:
