@@ -111,10 +111,9 @@ class BlockSink:
         Layout(trace, page_size)  # the same checks (page size divides the block size, ...)
         bs = trace.block_size or 0
         m = bs // page_size
-        raw = np.frombuffer(self.blocks, np.int64) if len(self.blocks) else np.zeros(0, np.int64)
-        blocks, num_blocks = dense_ids(raw)
-        del raw
-        self.blocks = array("q")  # the buffer goes once the view does
+        # numbered in place, in the sink's own buffer (no copy of the references)
+        blocks = np.frombuffer(self.blocks, np.int64) if len(self.blocks) else np.zeros(0, np.int64)
+        num_blocks = fast.dense_in_place(blocks)
         nb = _np(self.n_blocks, np.int64)
         inp = _np(self.input_len, np.int64)
         out = _np(self.output_len, np.int64)
@@ -127,20 +126,9 @@ class BlockSink:
         n_extra = (1 + (np.zeros_like(out) if ignore_output else out)) // page_size
         base = (num_blocks + 1) * m
         pages, offsets, num_pages = fast.block_paths(blocks, boff, m, n_extra, base)
+        del blocks
+        self.blocks = array("q")
         return PageArrays(pages, offsets, np.diff(boff) * m, inp, out, page_size, num_pages)
-
-
-def dense_ids(raw: np.ndarray) -> tuple[np.ndarray, int]:
-    """Ids renumbered 0, 1, ... in order of first appearance (as `traces._Reader` numbers
-    blocks), and how many distinct there are. Already dense ids come back unchanged."""
-    if not len(raw):
-        return raw, 0
-    uniq, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
-    del uniq
-    rank = np.empty(len(first), np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
-    del first
-    return rank[inverse.reshape(-1)], len(rank)
 
 
 def _np(buf: array, dtype: type) -> np.ndarray:

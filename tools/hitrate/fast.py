@@ -81,6 +81,53 @@ def gather_segments(
     return _gather_segments(data, off, order.astype(np.int64))
 
 
+@njit(cache=True)
+def _dense_in_place(ids, slots):  # type: ignore[no-untyped-def]
+    """Renumbers `ids` in place 0, 1, ... by first appearance with an open-addressing table of
+    `slots` (a power of two), doubled whenever it is two-thirds full; returns the count."""
+    keys = np.empty(slots, np.int64)
+    vals = np.full(slots, -1, np.int64)
+    firsts = np.empty(slots, np.int64)  # id of each number, to rebuild the table on growth
+    n = 0
+    for i in range(len(ids)):
+        if 3 * n >= 2 * slots:
+            slots *= 2
+            keys = np.empty(slots, np.int64)
+            vals = np.full(slots, -1, np.int64)
+            grown = np.empty(slots, np.int64)
+            grown[:n] = firsts[:n]
+            firsts = grown
+            for v in range(n):
+                h = (firsts[v] * np.int64(-7046029254386353131)) & (slots - 1)
+                while vals[h] >= 0:
+                    h = (h + 1) & (slots - 1)
+                keys[h] = firsts[v]
+                vals[h] = v
+        mask = slots - 1
+        x = ids[i]
+        h = (x * np.int64(-7046029254386353131)) & mask  # Fibonacci hashing (wraps)
+        while True:
+            v = vals[h]
+            if v < 0:
+                keys[h] = x
+                vals[h] = n
+                firsts[n] = x
+                ids[i] = n
+                n += 1
+                break
+            if keys[h] == x:
+                ids[i] = v
+                break
+            h = (h + 1) & mask
+    return n
+
+
+def dense_in_place(ids: np.ndarray) -> int:
+    """`ids` (int64, writable) renumbered in place by first appearance; the distinct count.
+    Memory: 24 bytes per table slot, at most 3 slots per distinct id."""
+    return int(_dense_in_place(ids, np.int64(1 << 16)))
+
+
 # --- stack distances ---------------------------------------------------------------------------
 
 
@@ -172,6 +219,13 @@ class ArrayStack:
     distances: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        # the arrays end at the largest distance seen (they were sized for every page)
+        top = 1
+        for a in (self.tok_at, self.req_at, self.reuse_at):
+            nz = np.flatnonzero(a)
+            top = max(top, int(nz[-1]) + 1 if len(nz) else 1)
+        self.tok_at, self.req_at, self.reuse_at = (
+            self.tok_at[:top].copy(), self.req_at[:top].copy(), self.reuse_at[:top].copy())
         self.cum_tok = np.cumsum(self.tok_at)
         self.cum_req = np.cumsum(self.req_at)
 
@@ -259,18 +313,16 @@ def stack_distances(
 
 
 @njit(cache=True)
-def _next_uses(pages, off, n_lookup, num_pages):  # type: ignore[no-untyped-def]
+def _next_uses(pages, off, n_lookup, num_pages, nu):  # type: ignore[no-untyped-def]
     """Per page reference: the next request after this one whose lookup covers the page."""
     n = len(n_lookup)
-    nxt = np.full(num_pages, n, np.int64)
-    nu = np.empty(off[n], np.int64)
+    nxt = np.full(num_pages, n, nu.dtype)
     for r in range(n - 1, -1, -1):
         o = off[r]
         for idx in range(o, off[r + 1]):
             nu[idx] = nxt[pages[idx]]
         for i in range(n_lookup[r]):
             nxt[pages[o + i]] = r
-    return nu
 
 
 @njit(cache=True, inline="always")
@@ -330,6 +382,8 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
     hit_tokens = 0
     hit_requests = 0
     hit_pages = 0
+    never = n * depth_mult  # keys from here up: pages with no future use
+    lost = 0  # evictions of pages that had a future use
     for r in range(n):
         o = off[r]
         k = 0
@@ -341,7 +395,7 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
             hit_requests += 1
         for depth in range(off[r + 1] - o):
             p = pages[o + depth]
-            e = nu[o + depth] * depth_mult + depth
+            e = np.int64(nu[o + depth]) * depth_mult + depth
             if key[p] != e:
                 if key[p] < 0:
                     count += 1
@@ -373,7 +427,9 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
             if key[p] == e:
                 key[p] = -1
                 count -= 1
-    return hit_tokens, hit_requests, hit_pages
+                if e < never:
+                    lost += 1
+    return hit_tokens, hit_requests, hit_pages, lost
 
 
 def belady(
@@ -385,24 +441,35 @@ def belady(
     start = warmup_start(arrs, warmup)
     if not arrs.requests:
         return [OptResult(c, 0, 0, 0) for c in capacities]
-    nu = _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages))
+    nu = np.empty(len(arrs.pages), np.int32 if arrs.requests < 2**31 - 1 else np.int64)
+    _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages), nu)
     depth_mult = int(np.diff(arrs.offsets).max()) + 1
 
-    def one(c: int) -> tuple[int, int, int]:
-        t, r, p = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
-                          np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c), nu,
-                          np.int64(depth_mult), np.int64(start))
-        return int(t), int(r), int(p)
+    todo = sorted(set(int(c) for c in capacities))
+    done: dict[int, tuple[int, int, int]] = {}
+    saturated: list[int] = []  # capacities at which no page with a future use was evicted
 
-    todo = sorted(set(int(c) for c in capacities), reverse=True)  # the long passes first
+    def task(c: int) -> None:
+        below = [s for s in saturated if s <= c]
+        if below:  # OPT at a smaller size lost nothing: so does every larger size
+            done[c] = done[min(below)]
+            return
+        t, r, p, lost = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+                                np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c),
+                                nu, np.int64(depth_mult), np.int64(start))
+        done[c] = (int(t), int(r), int(p))
+        if not lost:
+            saturated.append(c)
+
     workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
     if workers == 1:
-        done = {c: one(c) for c in todo}
+        for c in todo:
+            task(c)
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(workers) as pool:
-            done = dict(zip(todo, pool.map(one, todo)))
+            list(pool.map(task, todo))
     return [OptResult(int(c), *done[int(c)]) for c in capacities]
 
 
