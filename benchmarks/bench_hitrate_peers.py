@@ -1,0 +1,185 @@
+"""`hicache-hitrate` against `kvcache-simulator` (PyPI 0.1.3, its C++ backend) on the peer's
+question: the token hit rate at its default budgets (1 GiB .. 16 TiB of KV for `--model`) under
+LRU and the optimum, over the last half of the requests (warm-up 0.5, the peer's default).
+
+Traces: traces/mooncake_conversation_trace.jsonl repeated `--scales` times with disjoint hash
+ids, interleaved in time (copy k of a request keeps its timestamp; ties in copy order). Each tool
+runs in its own child process, once per trace; time is wall time and memory the child's peak RSS
+(`wait4`). Ours answers with the streamed reader and the compiled one-pass analyses
+(`tools/hitrate/fast.py`): one LRU stack-distance pass for every budget, one Belady pass per
+budget. `--before` also times the command of issue 35's table with the code before those
+(`git archive <rev> tools`). `--verify N` replays N budgets exactly through `HiRadixCache`.
+
+    python benchmarks/bench_hitrate_peers.py [--scales 10,30] [--before 5e30887] [--verify 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import host, save_json  # noqa: E402
+
+TRACE = REPO / "traces" / "mooncake_conversation_trace.jsonl"
+BLOCK = 512
+
+
+def build_trace(src: Path, scale: int, out: Path) -> int:
+    """`scale` copies of `src` with disjoint hash ids, merged in timestamp order."""
+    rows = [json.loads(line) for line in src.open() if line.strip()]
+    span = 1 + max(h for r in rows for h in r["hash_ids"])
+    n = 0
+    with out.open("w") as f:
+        for r in rows:  # the source is in timestamp order: copies of one row are adjacent
+            for k in range(scale):
+                f.write(json.dumps({**r, "hash_ids": [h + k * span for h in r["hash_ids"]]})
+                        + "\n")
+                n += 1
+    return n
+
+
+def run_child(cmd: list[str], stdout: Path | None = None) -> dict[str, Any]:
+    """Runs `cmd`; its wall time and peak RSS (bytes)."""
+    t0 = time.perf_counter()
+    with open(stdout or os.devnull, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, cwd=REPO)
+        _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd[:3]} failed: {err[-2000:]}")
+    return {"seconds": wall, "peak_rss_bytes": ru.ru_maxrss * 1024}
+
+
+def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, Any]:
+    """The child process of our side: prints its answer as JSON."""
+    from tools.hitrate import fast
+    from tools.hitrate.arrays import BlockSink
+    from tools.hitrate.simulate import TierConfig, replay_arrays
+    from tools.hitrate.traces import read_trace
+
+    t0 = time.perf_counter()
+    sink = BlockSink()
+    tr = read_trace(trace, block_size=BLOCK, sink=sink)
+    arrs = sink.arrays(tr, BLOCK)
+    del sink
+    t_read = time.perf_counter() - t0
+    stack = fast.stack_distances(arrs, warmup=warmup)
+    t_lru = time.perf_counter() - t0 - t_read
+    opts = fast.belady(arrs, caps, warmup=warmup)
+    t_opt = time.perf_counter() - t0 - t_read - t_lru
+    n_in = stack.input_tokens
+    doc: dict[str, Any] = {
+        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt,
+        "requests": arrs.requests, "page_refs": len(arrs.pages), "array_bytes": arrs.nbytes(),
+        "points": [{"cacheBlocks": c, "lru": stack.hit_tokens(c) / n_in,
+                    "optimal": o.hit_tokens / n_in} for c, o in zip(caps, opts)],
+        "ceiling": stack.unbounded_hit_tokens / n_in,
+    }
+    if verify:
+        # Exact replays (device-only LRU through HiRadixCache) at the smallest budgets, counted
+        # over the whole trace: the one-pass curve's point next to the tree's own number.
+        whole = fast.stack_distances(arrs)
+        checks = []
+        for c in caps[:verify]:
+            t1 = time.perf_counter()
+            sim = replay_arrays(arrs, TierConfig(page_size=BLOCK, device_pages=c))
+            checks.append({"cacheBlocks": c, "exact_replay_hit_tokens": sim.hit_tokens,
+                           "mrc_hit_tokens": whole.hit_tokens(c),
+                           "replay_s": time.perf_counter() - t1})
+        doc["exact_replay"] = checks
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scales", default="10,30", help="trace repetitions, comma-separated")
+    ap.add_argument("--model", default="llama-3.1-8b", help="a kvcache-simulator model id")
+    ap.add_argument("--before", metavar="REV", help="also time the pre-change CLI at REV")
+    ap.add_argument("--verify", type=int, default=0, metavar="N",
+                    help="exact HiRadixCache replays at the N smallest budgets (x1 trace)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/bench_hitrate_peers.json"))
+    ap.add_argument("--child", nargs=4, metavar=("TRACE", "CAPS", "WARMUP", "VERIFY"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        t, caps, w, v = args.child
+        print(json.dumps(ours(t, [int(c) for c in caps.split(",")], float(w), int(v))))
+        return 0
+    peer = shutil.which("kvcache-simulator", path=str(Path(sys.executable).parent))
+    if peer is None:
+        print("kvcache-simulator is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"benchmark": "hitrate_peers", "machine": host(),
+                              "model": args.model, "block": BLOCK, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="hitrate-peers-") as tmp:
+        d = Path(tmp)
+        old = None
+        if args.before:
+            old = d / "old"
+            old.mkdir()
+            subprocess.run(f"git archive {args.before} tools | tar -x -C {old}", shell=True,
+                           check=True, cwd=REPO)
+        for scale in [int(s) for s in args.scales.split(",")]:
+            trace = d / f"mooncake_x{scale}.jsonl"
+            n = build_trace(TRACE, scale, trace) if scale > 1 else None
+            if scale == 1:
+                trace = TRACE
+            peer_out = d / "peer.json"
+            p_run = run_child([peer, "run", "--trace", str(trace), "--model", args.model,
+                               "--block-size", str(BLOCK), "--format", "json", "--no-progress",
+                               "--output", str(peer_out)])
+            pdoc = json.loads(peer_out.read_text())
+            caps = [pt["cacheBlocks"] for pt in pdoc["points"]]
+            our_out = d / "ours.json"
+            o_run = run_child([sys.executable, __file__, "--child", str(trace),
+                               ",".join(map(str, caps)), "0.5",
+                               str(args.verify if scale == 1 else 0)], our_out)
+            odoc = json.loads(our_out.read_text())
+            run: dict[str, Any] = {
+                "scale": scale, "requests": n or odoc["requests"],
+                "page_refs": odoc["page_refs"],
+                "peer": {**p_run, "ceiling": pdoc["hitRateCeiling"],
+                         "points": [{"cacheBlocks": pt["cacheBlocks"], "gib": pt["gib"],
+                                     "lru": pt["results"]["lru"]["hitRate"],
+                                     "optimal": pt["results"]["optimal"]["hitRate"]}
+                                    for pt in pdoc["points"]]},
+                "ours": {**o_run, **odoc},
+                "speedup": p_run["seconds"] / o_run["seconds"],
+                "rss_ratio": o_run["peak_rss_bytes"] / p_run["peak_rss_bytes"],
+            }
+            if old is not None:
+                cmd = [sys.executable, "-c", "import sys; from tools.hitrate.cli import main; "
+                       "sys.exit(main(sys.argv[1:]))", str(trace), "--device",
+                       f"{caps[len(caps) // 2]}p", "--mrc", "--mrc-points", "15", "--json",
+                       "--no-progress"]
+                env_old = [*cmd]
+                for label, root in (("before", old), ("after", REPO)):
+                    os.environ["PYTHONPATH"] = f"{root}:{REPO}"
+                    run[f"cli_{label}"] = run_child(env_old)
+                os.environ.pop("PYTHONPATH", None)
+                run["cli_speedup"] = run["cli_before"]["seconds"] / run["cli_after"]["seconds"]
+                run["cli_rss_ratio"] = (run["cli_after"]["peak_rss_bytes"]
+                                        / run["cli_before"]["peak_rss_bytes"])
+            report["runs"].append(run)
+            print(json.dumps({k: run[k] for k in ("scale", "requests", "speedup", "rss_ratio")}
+                             | {"ours_s": o_run["seconds"], "peer_s": p_run["seconds"],
+                                "ours_rss": o_run["peak_rss_bytes"],
+                                "peer_rss": p_run["peak_rss_bytes"]}), flush=True)
+    save_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
