@@ -24,6 +24,12 @@ key              meaning                                           default
                  the server's store that holds space, on a
                  background thread (hicache_store.Populator), so
                  first copies do not fault page by page
+``token_proof``  ``auto``: prove the token (an HMAC per request over  ``auto``
+                 the connection's hello nonce; protocol 7) and
+                 check the server's proof that it holds the token;
+                 a server before protocol 7 gets the token as it
+                 is. ``required``: refuse such a server. ``off``:
+                 send the token as it is
 ``encryption_``  64 hex characters: seal every record with         none (records in the
 ``key``          AES-256-GCM under this key (hicache_seal); the    clear)
                  server stores and serves ciphertext. Every client
@@ -93,7 +99,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
-              "shm", "shm_bytes", "shm_populate", "encryption_key")
+              "shm", "shm_bytes", "shm_populate", "encryption_key", "token_proof")
 ENCRYPTION_ENV = "HICACHE_SERVER_ENCRYPTION_KEY"
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 _ABSENT = Checked(-1, None)
@@ -131,9 +137,14 @@ class HiCacheServerBackend(StorageBackend):
             self._sealed_buffers = ThreadBuffers()  # sealed records on their way in or out
         if setting(config, "tune_malloc", True):
             tune_malloc()
+        proof = setting(config, "token_proof", "auto", cast=str)
+        if proof not in ("auto", "required", "off"):
+            raise ConfigError(f"hicache backend: token_proof must be auto, required or off, "
+                              f"got {proof!r}")
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
                                  shm_bytes=self.shm_bytes, namespace=self._namespace,
-                                 populate=setting(config, "shm_populate", True))
+                                 populate=setting(config, "shm_populate", True),
+                                 token_proof=proof)
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
         self._probe()

@@ -6,7 +6,9 @@ round trip runs under. `HiCacheServerBackend` (`hicache_backend`) does its work 
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -18,6 +20,7 @@ from storage_backends.hicache_shm import (
     SHM_REFUSALS,
     ClientRegion,
     Conn,
+    HelloLost,
     ShmLost,
     Unreachable,
     Wire,
@@ -33,7 +36,8 @@ class Connections:
     connection out, so concurrent prefetch and backup threads run theirs in parallel."""
 
     def __init__(self, url: str, token: str, timeout_ms: int, *, shm: bool,
-                 shm_bytes: int, populate: bool = True, namespace: bytes = b"") -> None:
+                 shm_bytes: int, populate: bool = True, namespace: bytes = b"",
+                 token_proof: str = "auto") -> None:
         self.url = url
         self.namespace = namespace  # declared on each connection (the server's stats)
         self.timeout_ms = timeout_ms
@@ -47,7 +51,8 @@ class Connections:
         self._ctx = zmq.Context(io_threads=1)
         self._pool: list[Conn] = []
         self._lock = threading.Lock()
-        self._wire = Wire(url, token, timeout_ms)
+        self._wire = Wire(url, token, timeout_ms, token_proof=token_proof)
+        self._plain_logged = False
 
     def _checkout(self) -> Conn:
         with self._lock:
@@ -62,6 +67,12 @@ class Connections:
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         s.connect(self.url)
         conn = Conn(s, self._wire)
+        if self._wire.token and self._wire.token_proof != "off":
+            try:
+                self._hello(conn)
+            except BaseException:
+                conn.close()
+                raise
         if self.namespace:
             try:
                 self._bind(conn)
@@ -75,6 +86,38 @@ class Connections:
                 conn.close()
                 raise
         return conn
+
+    def _hello(self, conn: Conn) -> None:
+        """Start token proofs on `conn`: the server gives it a nonce and proves it holds our
+        token. Raises `StorageError` for a server that does not know the token or whose proof
+        is wrong; a server before protocol 7 gets the token as it is (unless `token_proof` is
+        "required": then `StorageError`)."""
+        w = self._wire
+        client_nonce = os.urandom(32)
+        req = P.HelloRequest(token_id=P.token_id(w.token), client_nonce=client_nonce.hex())
+        reply = conn.exchange([req])[0]
+        if isinstance(reply, P.HelloReply):
+            try:
+                nonce = bytes.fromhex(reply.nonce)
+            except ValueError:
+                nonce = b""
+            want = P.server_proof(w.token, nonce, client_nonce)
+            if len(nonce) < 16 or not hmac.compare_digest(want, reply.proof):
+                raise StorageError(f"{self.url} does not hold our auth token (its hello proof "
+                                   "is wrong): not the server configured")
+            conn.nonce = nonce
+            return
+        if not isinstance(reply, P.ErrorReply):
+            raise StorageError(f"{self.url} answered {reply.TYPE} to hello")
+        if reply.code not in (P.ErrorCode.BAD_VERSION, P.ErrorCode.UNKNOWN_TYPE):
+            raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
+        if w.token_proof == "required":
+            raise StorageError(f"{self.url} predates token proofs (protocol 7) and token_proof "
+                               "is 'required': the token is not sent as it is")
+        if not self._plain_logged:
+            self._plain_logged = True
+            logger.warning("hicache backend: %s predates token proofs (protocol 7): the auth "
+                           "token goes as it is", self.url)
 
     def _bind(self, conn: Conn) -> None:
         """Tell the server this connection's namespace (it counts our misses there); a server
@@ -135,7 +178,19 @@ class Connections:
     def session(self, work: Callable[[Conn], list[P.Reply]]) -> list[P.Reply]:
         """Run `work` on one pooled connection under the circuit breaker. Raises
         `StorageUnavailable` (no answer in time; the connection is dropped), `ShmLost` or
-        whatever `work` raises (the server answered: the breaker is closed)."""
+        whatever `work` raises (the server answered: the breaker is closed). A server that
+        lost our hello (it restarted) voids every pooled connection: once more on new ones."""
+        try:
+            return self._session(work)
+        except HelloLost as e:
+            logger.info("hicache backend: the server lost our hello (%s); saying hello again", e)
+            self._drop_pool()
+        try:
+            return self._session(work)
+        except HelloLost as e:
+            raise StorageError(f"the server lost our hello again: {e}") from e
+
+    def _session(self, work: Callable[[Conn], list[P.Reply]]) -> list[P.Reply]:
         self.backoff.check()
         healthy = False
         conn: Conn | None = None

@@ -43,6 +43,10 @@ SHM_REFUSALS = (
 Exchange = Callable[[Iterable[P.Request], Callable[[int, P.Reply], None] | None], list[P.Reply]]
 
 
+class HelloLost(Exception):
+    """The server has no hello of this connection (it restarted): its proofs are void."""
+
+
 class ShmLost(Exception):
     """The server no longer has this connection's region (it restarted, or dropped it)."""
 
@@ -90,6 +94,16 @@ class Wire:
     timeout_ms: int
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     releases: bool = True  # send `shm_release` (False: the server is older than protocol 6)
+    token_proof: str = "auto"  # "auto", "required" or "off" (hicache_conn.Connections._hello)
+
+    def auth(self, nonce: bytes | None, req: P.Request) -> str:
+        """The `token` field of `req`: a proof of the token on a connection that said hello
+        (`nonce`), else the token itself (none for a hello)."""
+        if isinstance(req, P.HelloRequest):
+            return ""
+        if nonce is None or not self.token:
+            return self.token
+        return P.request_proof(self.token, nonce, req.request_id, req.TYPE)
 
 
 @dataclass
@@ -99,6 +113,7 @@ class Conn:
     sock: zmq.Socket
     wire: Wire
     region: ClientRegion | None = None
+    nonce: bytes | None = None  # the server's hello nonce (None: the token is sent as it is)
     # Slots reserved for this connection in the server's store, by record length: (offset,
     # generation, use-by time) (`hicache_store.store_set`).
     slots: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
@@ -125,7 +140,7 @@ class Conn:
                 if isinstance(req, P.ShmReleaseRequest) and not w.releases:
                     continue
                 req.request_id = next(w.ids)
-                req.token = w.token
+                req.token = w.auth(self.nonce, req)
                 wanted[req.request_id] = i
                 s.send_multipart(P.encode(req), copy=False)
                 if isinstance(req, P.ShmReleaseRequest):
@@ -155,6 +170,8 @@ class Conn:
                         raise StorageError(f"server error {msg.code}: {msg.message}")
                     continue  # a late reply of an abandoned request
                 assert isinstance(msg, P.Reply)
+                if isinstance(msg, P.ErrorReply) and msg.code == P.ErrorCode.HELLO:
+                    raise HelloLost(msg.message)
                 if on_reply is not None:
                     on_reply(i_req, msg)
                 replies[i_req] = msg
@@ -168,7 +185,8 @@ class Conn:
     def detach(self, timeout_ms: int) -> None:
         """Ask the server to unmap the region (best effort: a server that does not answer in
         time drops it later, least recently used first, under --shm-max-bytes)."""
-        req = P.DetachShmRequest(request_id=next(self.wire.ids), token=self.wire.token)
+        req = P.DetachShmRequest(request_id=next(self.wire.ids))
+        req.token = self.wire.auth(self.nonce, req)
         try:
             self.sock.send_multipart(P.encode(req), flags=zmq.NOBLOCK)
             if self.sock.poll(timeout_ms, zmq.POLLIN):

@@ -48,6 +48,7 @@ class ServerConfig:
     pin_share: float = 0.5  # most of --capacity pinned pages may hold
     read_lease_ms: int = 10_000  # how long a record located for a read in place is held
     tenants_file: str | None = None  # None: one shared token (--auth-token) or none
+    require_token_proof: bool = False  # refuse tokens sent as they are (protocol 7 proofs only)
 
     @property
     def arena_bytes(self) -> int:
@@ -100,6 +101,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         pin_share=args.pin_share,
         read_lease_ms=args.read_lease_ms,
         tenants_file=args.tenants_file,
+        require_token_proof=args.require_token_proof,
     )
     return config, args.log_level
 
@@ -177,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         "probes, overwrites or clears another's (docs/security.md). Read again on SIGHUP and by "
         "`hicache-admin reload-tenants`. Excludes --auth-token; turns the shared-memory store off "
         "for tenants (same-host clients use their own regions). Default: no tenants",
+    )
+    p.add_argument(
+        "--require-token-proof",
+        action="store_true",
+        help="refuse requests that carry their token as it is: clients of protocol 7 prove "
+        "their token (an HMAC over a nonce of their connection, `hello`) and never send it; "
+        "older clients are refused with an error saying so. Default: both are taken",
     )
     p.add_argument(
         "--admin-token",

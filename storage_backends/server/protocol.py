@@ -15,6 +15,8 @@ messages exist.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -62,7 +64,10 @@ from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorC
 # (`admin_protocol.py`).
 # Version 7 adds tenants (`--tenants-file`, server/tenants.py): the admin's `reload_tenants`,
 # and the `forbidden` error (a tenant token without the right a request needs). A tenant's
-# requests are the same messages: the server scopes them by the token they carry.
+# requests are the same messages: the server scopes them by the token they carry. And token
+# proofs (`hello`): a client proves it holds its token with an HMAC per request over a nonce the
+# server gave its connection, and the server proves it holds the token too; the token itself
+# never crosses the wire (`request_proof`, `server_proof`).
 PROTOCOL_VERSION = 7
 SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -371,6 +376,52 @@ class ShmCommitReply(Reply):
 
 
 @dataclass
+class HelloRequest(Request):
+    """Start token proofs on this connection (sent with an empty `token`): `token_id` names the
+    client's token (`token_id()`: a digest, not the token), `client_nonce` is 32 random bytes
+    (hex). Answered with the connection's nonce, or `unauthorized` for a token the server
+    does not know."""
+
+    TYPE: ClassVar[str] = "hello"
+    token_id: str = ""
+    client_nonce: str = ""
+
+
+@dataclass
+class HelloReply(Reply):
+    """`nonce` (hex): what every later request's proof covers (`request_proof`); `proof`:
+    `server_proof(token, nonce, client_nonce)`, which only a server holding the token makes."""
+
+    TYPE: ClassVar[str] = "hello_ok"
+    nonce: str = ""
+    proof: str = ""
+
+
+# The `token` field of a request that proves its token instead of carrying it:
+# "p1:<token_id>:<HMAC-SHA256(token, nonce || request_id (8 bytes LE) || type)>".
+PROOF_PREFIX = "p1:"
+
+
+def token_id(token: str) -> str:
+    """A token's public name in `hello` and proofs (a digest: says nothing of the token)."""
+    return hashlib.sha256(b"hicache-token-id\0" + token.encode()).hexdigest()[:32]
+
+
+def request_proof(token: str, nonce: bytes, request_id: int, type_tag: str) -> str:
+    """The `token` field of request `request_id` of type `type_tag` on a connection whose
+    server nonce is `nonce`."""
+    mac = hmac.new(token.encode(), nonce + request_id.to_bytes(8, "little", signed=True)
+                   + type_tag.encode(), hashlib.sha256).hexdigest()
+    return f"{PROOF_PREFIX}{token_id(token)}:{mac}"
+
+
+def server_proof(token: str, nonce: bytes, client_nonce: bytes) -> str:
+    """What a server that holds `token` answers to a hello (`HelloReply.proof`)."""
+    return hmac.new(token.encode(), b"hicache-server\0" + nonce + client_nonce,
+                    hashlib.sha256).hexdigest()
+
+
+@dataclass
 class ReloadTenantsRequest(Request):
     """Read the tenants file again (the admin token): added, removed and rotated tokens take
     effect from the next request; a file that does not load changes nothing (an error reply)."""
@@ -410,6 +461,7 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
     ClearNamespaceRequest,
     *A.REQUESTS,
     ReloadTenantsRequest,
+    HelloRequest,
 )
 REPLY_TYPES: tuple[type[Reply], ...] = (
     PingReply,
@@ -430,6 +482,7 @@ REPLY_TYPES: tuple[type[Reply], ...] = (
     ClearNamespaceReply,
     *A.REPLIES,
     ReloadTenantsReply,
+    HelloReply,
 )
 # The protocol version that introduced each message type (1 when not listed).
 _SINCE: dict[str, int] = {
@@ -448,7 +501,7 @@ _SINCE: dict[str, int] = {
     for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
 } | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)} | {
     c.TYPE: A.VERSION for c in (*A.REQUESTS, *A.REPLIES)} | {
-    c.TYPE: 7 for c in (ReloadTenantsRequest, ReloadTenantsReply)}
+    c.TYPE: 7 for c in (ReloadTenantsRequest, ReloadTenantsReply, HelloRequest, HelloReply)}
 ADMIN_TYPES = A.ADMIN_TYPES | {ReloadTenantsRequest.TYPE}
 
 CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import signal
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +59,7 @@ _RIGHT = {P.ExistsRequest.TYPE: "read", P.GetRequest.TYPE: "read", P.ShmGetReque
           P.SetRequest.TYPE: "write", P.ShmSetRequest.TYPE: "write",
           P.DeleteRequest.TYPE: "write", P.ClearRequest.TYPE: "clear",
           P.ClearNamespaceRequest.TYPE: "clear"}
+_MAX_SESSIONS = 1 << 16  # connections whose hello nonce is kept (the oldest forgotten first)
 _NOT_FOR_TENANTS = {P.MapStoreRequest.TYPE, P.ShmLocateRequest.TYPE, P.ShmReserveRequest.TYPE,
                     P.ShmCommitRequest.TYPE, P.ShmReleaseRequest.TYPE}
 
@@ -74,6 +77,8 @@ class HiCacheServer:
         self.tenants = (Tenants(config.tenants_file, config.admin_token)
                         if config.tenants_file else None)
         self._reload_asked = threading.Event()  # SIGHUP: reload the tenants file in the loop
+        # Per connection that said hello: [its nonce, the last request id it proved].
+        self._sessions: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -206,7 +211,7 @@ class HiCacheServer:
             if len(frames) > 1 and len(frames[0]) == 0:  # a REQ client's empty delimiter
                 envelope, frames = [frames[0]], frames[1:]
             t0 = time.perf_counter()
-            req = self._parse(frames)
+            req = self._parse(frames, ident=ident)
             if self.budget.has_waiting(ident) or not self._fits(ident, req):
                 # Wait behind this connection's earlier requests, or for its replies to drain.
                 # Kept as received bytes (decoded again when it runs); small frames are copied
@@ -234,7 +239,7 @@ class HiCacheServer:
                 if item is None:
                     break
                 envelope, frames, t0 = item
-                req = frames if isinstance(frames, P.ErrorReply) else self._parse(frames, True)
+                req = frames if isinstance(frames, P.ErrorReply) else self._parse(frames, True, ident)
                 if not self._fits(ident, req, waiting=True):
                     break
                 self.budget.unpark(ident)
@@ -273,9 +278,10 @@ class HiCacheServer:
     def handle(self, frames: Sequence[Any], ident: bytes = b"") -> P.Reply:
         """Answer one request (its frames after the routing envelope: `zmq.Frame`s or any
         buffers) from connection `ident` at once, outside the reply budgets. Never raises."""
-        return self._run(self._parse(frames), time.perf_counter(), ident)
+        return self._run(self._parse(frames, ident=ident), time.perf_counter(), ident)
 
-    def _parse(self, frames: Sequence[Any], again: bool = False) -> P.Request | P.ErrorReply:
+    def _parse(self, frames: Sequence[Any], again: bool = False,
+               ident: bytes = b"") -> P.Request | P.ErrorReply:
         """The request, checked (frame sizes, decoding, token, keys); or the error reply
         (`again`: a waiting request decoded once more, not counted twice)."""
         self.counters["requests"] += 0 if again else 1
@@ -283,7 +289,7 @@ class HiCacheServer:
             self._check_frames(frames)
             req = P.decode(frames, expect="request")
             assert isinstance(req, P.Request)
-            tenant = self._check_auth(req)
+            tenant = self._check_auth(req, self._token_of(req, ident, again))
             if tenant is not None:
                 self._scope(req, tenant)
             self._check_keys(req)
@@ -342,9 +348,76 @@ class HiCacheServer:
                     rid,
                 )
 
-    def _check_auth(self, req: P.Request) -> Tenant | None:
-        """Refuse a request without the token it needs; the tenant of its token (None: no
-        tenants file, or an admin request)."""
+    def _secret(self, tid: str) -> str | None:
+        """The token whose `P.token_id` is `tid` (the shared, admin or a tenant's), or None."""
+        for token in (self.config.auth_token, self.config.admin_token):
+            if token and hmac.compare_digest(P.token_id(token), tid):
+                return token
+        return self.tenants.secret(tid) if self.tenants is not None else None
+
+    def _hello(self, req: P.HelloRequest, ident: bytes) -> P.HelloReply:
+        """Give connection `ident` a fresh nonce for its token proofs, and prove that this
+        server holds the token `req` names."""
+        rid = req.request_id
+        token = self._secret(req.token_id)
+        try:
+            client_nonce = bytes.fromhex(req.client_nonce)
+        except ValueError:
+            client_nonce = b""
+        if len(client_nonce) < 16:
+            raise P.ProtocolError(P.ErrorCode.MALFORMED, "client_nonce: at least 16 bytes, hex",
+                                  rid)
+        if token is None:
+            self.counters["unauthorized"] += 1
+            raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "hello names a token this server "
+                                  "does not know (missing or wrong auth token)", rid)
+        nonce = os.urandom(32)
+        self._sessions[ident] = [nonce, 0]
+        self._sessions.move_to_end(ident)
+        while len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        return P.HelloReply(request_id=rid, nonce=nonce.hex(),
+                            proof=P.server_proof(token, nonce, client_nonce))
+
+    def _token_of(self, req: P.Request, ident: bytes, again: bool) -> str:
+        """The token `req` carries, or proves (`P.request_proof` over this connection's hello
+        nonce; each request id used once, rising). Raises `unauthorized` for a wrong proof,
+        `hello` when the connection has no hello here (this server restarted)."""
+        text = req.token
+        if not text.startswith(P.PROOF_PREFIX):
+            if text and self.config.require_token_proof and req.TYPE != P.HelloRequest.TYPE:
+                self.counters["unauthorized"] += 1
+                raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "this server takes token "
+                                      "proofs only (--require-token-proof): a client of protocol "
+                                      "7 or later proves its token without sending it",
+                                      req.request_id)
+            return text
+        rid = req.request_id
+        tid, _, mac = text[len(P.PROOF_PREFIX):].partition(":")
+        token = self._secret(tid)
+        session = self._sessions.get(ident)
+        if token is None:
+            self.counters["unauthorized"] += 1
+            raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "missing or wrong auth token "
+                                  "(the proof names a token this server does not know)", rid)
+        if session is None:
+            raise P.ProtocolError(P.ErrorCode.HELLO, "no hello on this connection (the server "
+                                  "restarted or forgot it): say hello again", rid)
+        nonce, last = session
+        if not hmac.compare_digest(P.request_proof(token, nonce, rid, req.TYPE), text) \
+                or (not again and rid <= last):
+            self.counters["unauthorized"] += 1
+            raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "wrong token proof (or a request id "
+                                  "used before on this connection)", rid)
+        if not again:
+            session[1] = rid
+        return token
+
+    def _check_auth(self, req: P.Request, token: str) -> Tenant | None:
+        """Refuse a request without the token it needs (`token`: the one it carries or
+        proves); the tenant of its token (None: no tenants file, or an admin request)."""
+        if req.TYPE == P.HelloRequest.TYPE:
+            return None  # it carries no token: it names one (`_hello`)
         # NOTE: the version-1 `clear` empties every namespace: with an admin token it is the
         # admin's alone (the data token is refused), like the admin API's `admin_clear`. A
         # tenant's clear empties its own partition only (`_scope`).
@@ -354,7 +427,7 @@ class HiCacheServer:
                 self.counters["unauthorized"] += 1
                 raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "the admin API is off: start "
                                       "hicache-server with --admin-token", req.request_id)
-            if not hmac.compare_digest(req.token.encode(), self._admin_token):
+            if not hmac.compare_digest(token.encode(), self._admin_token):
                 self.counters["unauthorized"] += 1
                 what = ("clear empties every namespace: it takes the admin token "
                         "(--admin-token), not the data token") if req.TYPE == "clear" \
@@ -362,7 +435,7 @@ class HiCacheServer:
                 raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, what, req.request_id)
             return None
         if self.tenants is not None:
-            tenant = self.tenants.lookup(req.token)
+            tenant = self.tenants.lookup(token)
             if tenant is None:
                 self.counters["unauthorized"] += 1
                 raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "missing or unknown tenant token "
@@ -370,7 +443,7 @@ class HiCacheServer:
             return tenant
         if self._token is None:
             return None
-        if not hmac.compare_digest(req.token.encode(), self._token):
+        if not hmac.compare_digest(token.encode(), self._token):
             self.counters["unauthorized"] += 1
             raise P.ProtocolError(
                 P.ErrorCode.UNAUTHORIZED, "missing or wrong auth token", req.request_id
@@ -483,6 +556,8 @@ class HiCacheServer:
                 protocol_version=P.PROTOCOL_VERSION,
                 max_frame_bytes=self.config.max_frame_bytes,
             )
+        if isinstance(req, P.HelloRequest):
+            return self._hello(req, ident)
         if isinstance(req, P.ReloadTenantsRequest):
             ok, summary = self.reload_tenants()
             if not ok:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from storage_backends.server.protocol import token_id
+
 logger = logging.getLogger(__name__)
 
 RIGHTS = ("read", "write", "clear")
@@ -171,6 +173,15 @@ def parse_tenants(data: dict[str, Any], source: str = "tenants file") -> dict[by
     return table
 
 
+def _tokens(data: dict[str, Any]) -> list[str]:
+    """Every token of a tenants file that `parse_tenants` accepted."""
+    out: list[str] = []
+    for spec in data["tenants"].values():
+        for entry in spec["tokens"]:
+            out.append(entry["token"] if isinstance(entry, dict) else entry)
+    return out
+
+
 class Tenants:
     """The live token table of a server, loaded from `path` (reloadable)."""
 
@@ -179,11 +190,12 @@ class Tenants:
         self._admin_id = _token_id(admin_token) if admin_token else None
         self._lock = threading.Lock()
         self.table: dict[bytes, Tenant] = {}
+        self._secrets: dict[str, str] = {}  # P.token_id(token) -> token, for token proofs
         self.reloads = 0
         self.reload_failures = 0
-        self.table = self._read()
+        self.table, self._secrets = self._read()
 
-    def _read(self) -> dict[bytes, Tenant]:
+    def _read(self) -> tuple[dict[bytes, Tenant], dict[str, str]]:
         try:
             mode = self.path.stat().st_mode
         except OSError as e:
@@ -191,22 +203,23 @@ class Tenants:
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             logger.warning("tenants file %s is readable by other users (mode %o): it holds "
                            "tokens; chmod 600 it", self.path, stat.S_IMODE(mode))
-        table = parse_tenants(_load_raw(self.path), f"tenants file {self.path}")
+        raw = _load_raw(self.path)
+        table = parse_tenants(raw, f"tenants file {self.path}")
         if self._admin_id is not None and self._admin_id in table:
             raise TenantsError(f"tenants file {self.path}: a tenant token equals the admin token")
-        return table
+        return table, {token_id(t): t for t in _tokens(raw)}
 
     def reload(self) -> tuple[bool, str]:
         """Read the file again; the new table takes effect from the next request. On any
         error the table stays as it was. (ok, a one-line summary or the error)."""
         try:
-            table = self._read()
+            table, secrets = self._read()
         except TenantsError as e:
             self.reload_failures += 1
             logger.error("tenants file not reloaded, the previous tenants stay: %s", e)
             return False, str(e)
         with self._lock:
-            old, self.table = self.table, table
+            old, self.table, self._secrets = self.table, table, secrets
         self.reloads += 1
         added = len(set(table) - set(old))
         removed = len(set(old) - set(table))
@@ -214,6 +227,10 @@ class Tenants:
                    f"{removed} removed)")
         logger.info("tenants file %s reloaded: %s", self.path, summary)
         return True, summary
+
+    def secret(self, tid: str) -> str | None:
+        """The token whose `token_id` is `tid` (a token proof's key), or None."""
+        return self._secrets.get(tid)
 
     def names(self) -> list[str]:
         return sorted({t.name for t in self.table.values()})

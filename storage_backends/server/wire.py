@@ -40,6 +40,7 @@ class ErrorCode:
     NO_SHM = "no_shm"  # shared memory the request needs is not there (see docs): map or attach
     PIN_LIMIT = "pin_limit"  # a pin past the pinned-bytes limit (--pin-share): nothing pinned
     FORBIDDEN = "forbidden"  # a tenant token without the right (read, write, clear) asked for
+    HELLO = "hello"  # a token proof on a connection the server has no hello of: say hello again
 
 
 class ProtocolError(StorageError):

@@ -68,6 +68,8 @@ SAMPLES: list[P.Message] = [
                      sizes=[4096, -1], ttl_left_ms=[-1, 1500], limit_bytes=1 << 20),
     P.ReloadTenantsRequest(request_id=24, token="adm"),
     P.ReloadTenantsReply(request_id=24, summary="2 tenants, 3 tokens (1 added, 1 removed)"),
+    P.HelloRequest(request_id=25, token_id="ab" * 16, client_nonce="cd" * 32),
+    P.HelloReply(request_id=25, nonce="ef" * 32, proof="01" * 32),
 ]
 
 
@@ -123,7 +125,7 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     v5 = {"clear_namespace", "clear_namespace_ok"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
-        want = (7 if msg.TYPE.startswith("reload_tenants")
+        want = (7 if msg.TYPE.startswith(("reload_tenants", "hello"))
                 else 6 if msg.TYPE.startswith(("admin_", "pin_ok", "unpin", "bind_", "shm_release"))
                 or msg.TYPE == "pin"
                 else 5 if msg.TYPE in v5 else 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3
