@@ -143,6 +143,17 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
     return ids
 
 
+def _chat_echo(body: ChatBody) -> tuple[str, str]:
+    """(the answer's role, the text echoed in front of it): the role is the assistant's, or
+    without the generation prompt the last message's; with `echo`, a last message of that role
+    comes first (vLLM's)."""
+    last = body.messages[-1] if body.messages else None
+    role = "assistant" if body.add_generation_prompt or last is None else last.role
+    if not body.echo or last is None or last.role != role:
+        return role, ""
+    return role, _chat_text(last, len(body.messages) - 1)
+
+
 def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
@@ -318,6 +329,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                                      OP.chat_logprobs(body))
         cid, created = _response_id(body, "chatcmpl", gens), int(time.time())
         tok_text = token_text(body)
+        role, echo = _chat_echo(body)
 
         def logprobs(u: Update, first: int = 0) -> dict[str, Any] | None:
             if u.logprobs is None or not body.logprobs:
@@ -341,7 +353,9 @@ def register(app: FastAPI, state: ServerState) -> None:
 
             async def events() -> AsyncIterator[dict[str, Any]]:
                 for g in gens:
-                    yield chunk(g.index, {"role": "assistant", "content": ""}, None)
+                    yield chunk(g.index, {"role": role, "content": ""}, None)
+                    if echo:
+                        yield chunk(g.index, {"content": echo}, None)
                 finals: dict[int, Update] = {}
                 started: set[int] = set()
                 async for u in merged(gens):
@@ -358,7 +372,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
             return sse_response(events())
         results = await _completed(request, gens)
-        choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
+        choices = [{"index": u.index, "message": {"role": role, "content": echo + u.text},
                     "logprobs": logprobs(u), "finish_reason": finish_reason_str(u.finish_reason),
                     **prompt_lp(body, prepared, n, u)}
                    for u in results]

@@ -130,7 +130,8 @@ _HONOURED: list[Row] = [
     H("chat_template_kwargs", _CHAT, "extra variables of the chat template"),
     H("truncate_prompt_tokens", OPENAI,
       "keep the prompt's last k tokens (-1: as many as the context takes)"),
-    H("echo", _COMP, "the prompt's text in front of the completion"),
+    H("echo", OPENAI, "the prompt's text in front of the completion (chat: the last message's, "
+      "when it is the answer's role, as vLLM)"),
     # --- length and stopping ---
     H("max_tokens", OPENAI, "the most tokens to generate"),
     H("max_completion_tokens", _CHAT, "max_tokens under OpenAI's newer name (it wins)"),
@@ -219,7 +220,6 @@ _DEFAULT_ONLY: list[Row] = [
     # --- vLLM's request fields (0.11+) this engine takes at their defaults ---
     R("use_beam_search", OPENAI, _FALSE, "beam search"),
     R("length_penalty", OPENAI, only(1.0, 1), "a beam-search length penalty"),
-    R("echo", _CHAT, _FALSE, "the last message echoed in front of the answer"),
     R("documents", _CHAT, empty, "documents in the chat template (RAG)"),
     R("chat_template", _CHAT, _NONE, "a chat template of the request's own"),
     R("logits_processors", OPENAI, empty, "custom logits processors"),

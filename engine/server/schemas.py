@@ -171,6 +171,7 @@ class ChatBody(_OpenAISampling):
     # The last message, an assistant's, is continued: the template's generation prompt, then
     # its text (SGLang's way).
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the last message's text first, when it has the answer's role
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # special tokens added when the templated text is tokenized
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template

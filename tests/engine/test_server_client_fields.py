@@ -5,8 +5,8 @@ one 400 names every refused field, is logged at INFO and counted in `/metrics`; 
 current fields; vLLM's fields the engine honours (`continuous_usage_stats`,
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `prompt_logprobs`,
 `return_tokens_as_token_ids`, `truncate_prompt_tokens`, `add_special_tokens`,
-`add_generation_prompt`, `continue_final_message`, `structured_outputs`, `request_id`); SGLang's
-list forms of one request."""
+`add_generation_prompt`, `continue_final_message`, chat `echo`, `structured_outputs`,
+`request_id`); SGLang's list forms of one request."""
 
 from __future__ import annotations
 
@@ -303,6 +303,18 @@ def test_prompt_shaping_fields(server: EngineServer, tok: Any) -> None:
     short = server.post("/v1/chat/completions", {"messages": [USER], "max_tokens": 2,
                                                  "truncate_prompt_tokens": 4})
     assert short["usage"]["prompt_tokens"] == 4
+    # Chat echo (vLLM's): a last message of the answer's role comes first; a user's does not.
+    cont = {"messages": msgs, "max_tokens": 4, **GREEDY, "continue_final_message": True}
+    plain_cont = server.post("/v1/chat/completions", cont)["choices"][0]["message"]["content"]
+    echoed = server.post("/v1/chat/completions", {**cont, "echo": True})["choices"][0]
+    assert echoed["message"] == {"role": "assistant", "content": "The first pier" + plain_cont}
+    events = _stream(server, "/v1/chat/completions", {**cont, "echo": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == \
+        echoed["message"]["content"]
+    user_last = {"messages": [USER], "max_tokens": 2, **GREEDY}
+    assert server.post("/v1/chat/completions", {**user_last, "echo": True})["choices"][0][
+        "message"]["content"] == server.post("/v1/chat/completions", user_last)["choices"][0][
+        "message"]["content"]
     with server.client() as c:
         r = c.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
