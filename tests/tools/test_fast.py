@@ -256,3 +256,33 @@ def test_stream_densifies_raw_hash_ids_in_order_of_first_appearance(tmp_path: Pa
     assert_arrays_equal(got, from_trace(whole, 4))
     # request 0: its blocks, then the one page of its unique token + 3 outputs (ids from 7 up)
     assert got.pages[:6].tolist() == [0, 1, 7, 0, 2, 3] and got.path(2).tolist() == [4, 5, 8, 9]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_lru_equals_exact_replay(tmp_path: Path, seed: int) -> None:
+    """The compiled device-only LRU of HiRadixCache gives the replay's hits request for request
+    totals (tokens, requests) and its evictions, at every capacity from one request's pages up,
+    on prefix-chained traces with partial blocks and outputs inserted."""
+    path = chained_trace(tmp_path, 20 + seed, n=200)
+    for ps, ignore_output in ((4, False), (1, False), (4, True)):
+        sink = BlockSink()
+        tr = read_trace(path, block_size=BS, sink=sink)
+        arrs = sink.arrays(tr, ps, ignore_output=ignore_output)
+        biggest = int(np.diff(arrs.offsets).max())
+        caps = sorted({1, 2, biggest // 2 or 1, biggest, biggest + 1, 2 * biggest, 3 * biggest,
+                       50, 120, 400, 2000})
+        got = fast.tree_lru(arrs, caps, threads=2)
+        for c, g in zip(caps, got):
+            real = replay_arrays(arrs, TierConfig(page_size=ps, device_pages=c))
+            assert (g.hit_tokens, g.hit_requests) == (real.hit_tokens, real.hit_requests), (ps, c)
+            assert g.evicted_pages * ps == real.cache_stats["evicted_tokens"], (ps, c)
+        stack = fast.stack_distances(arrs)
+        assert all(g.hit_tokens <= stack.hit_tokens(g.capacity_pages) for g in got)
+
+
+def test_tree_lru_on_the_reference_trace(mooncake_trace: Path) -> None:
+    _, arrs = streamed(mooncake_trace, 512)
+    for c, g in zip((1024, 4096), fast.tree_lru(arrs, [1024, 4096])):
+        real = replay_arrays(arrs, TierConfig(page_size=512, device_pages=c))
+        assert (g.hit_tokens, g.hit_requests) == (real.hit_tokens, real.hit_requests)
+    assert fast.tree_lru(arrs, [4096])[0].hit_tokens == 12_878_070

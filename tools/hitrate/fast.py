@@ -536,3 +536,192 @@ def sharing(arrs: PageArrays) -> Sharing:
         shared_fraction_p50=pct(0.5),
         shared_fraction_p90=pct(0.9),
     )
+
+
+# --- exact LRU of HiRadixCache (device only) ---------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # type: ignore[no-untyped-def]
+    """HiRadixCache's device-only LRU replayed page by page (see `tree_lru`)."""
+    n = len(n_lookup)
+    cached = np.zeros(num_pages, np.bool_)
+    end = np.zeros(num_pages, np.bool_)  # the page ends its node
+    par = np.full(num_pages, -1, np.int64)  # parent page (-1: a root's child)
+    nch = np.zeros(num_pages, np.int64)  # cached child pages
+    last = np.zeros(num_pages, np.int64)  # the node's last access (a logical clock)
+    nid = np.zeros(num_pages, np.int64)  # node id, on the node's end page
+    lock = np.full(num_pages, -1, np.int64)  # request holding the page's path
+    mult = np.int64(2 * len(pages) + 2 * n + 4)  # node ids stay below this
+    hcap = 1024
+    hk = np.empty(hcap, np.int64)
+    hp = np.empty(hcap, np.int64)
+    hsize = 0
+    tick = 0
+    ids = 0
+    n_cached = 0
+    hit_tokens = 0
+    hit_requests = 0
+    evicted = 0
+    for r in range(n):
+        o = off[r]
+        L = off[r + 1] - o
+        nl = n_lookup[r]
+        # acquire: the leading cached lookup pages; split the node the match ends inside
+        k = 0
+        while k < nl and cached[pages[o + k]]:
+            k += 1
+        if k and not end[pages[o + k - 1]]:
+            end[pages[o + k - 1]] = True
+            ids += 1
+            nid[pages[o + k - 1]] = ids
+        tick += 1
+        for i in range(k):
+            last[pages[o + i]] = tick
+            lock[pages[o + i]] = r
+        if r >= start:
+            h = min(ps * k, input_len[r])
+            hit_tokens += h
+            if h:
+                hit_requests += 1
+        # alloc: evict least recently used unlocked leaf nodes, whole, until the pages fit
+        need = L - k
+        while need > cap - n_cached:
+            if hsize == 0:
+                break
+            key = hk[0]
+            e = hp[0]
+            hsize = _heap_pop(hk, hp, hsize)
+            if not (cached[e] and end[e] and nch[e] == 0 and lock[e] != r
+                    and key == -(last[e] * mult + nid[e])):
+                continue
+            x = e
+            while True:
+                cached[x] = False
+                end[x] = False
+                nch[x] = 0
+                n_cached -= 1
+                evicted += 1
+                x = par[x]
+                if x < 0 or end[x]:
+                    break
+            if x >= 0:
+                nch[x] -= 1
+                if nch[x] == 0 and lock[x] != r:
+                    if hsize == hcap:
+                        hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch,
+                                                        last, nid, mult)
+                    hsize = _heap_push(hk, hp, hsize, -(last[x] * mult + nid[x]), x)
+        if need > cap - n_cached:
+            # no room: the request caches nothing; its release makes its deepest matched node
+            # a candidate again if eviction left it a leaf
+            if k and nch[pages[o + k - 1]] == 0:
+                e = pages[o + k - 1]
+                if hsize == hcap:
+                    hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch, last,
+                                                    nid, mult)
+                hsize = _heap_push(hk, hp, hsize, -(last[e] * mult + nid[e]), e)
+            continue
+        # insert: walk the cached part (splitting where the path leaves a node), add the rest
+        tick += 1
+        i = 0
+        while i < L and cached[pages[o + i]]:
+            last[pages[o + i]] = tick
+            i += 1
+        if i and not end[pages[o + i - 1]]:
+            # the path ends inside a node, or leaves it here: split after page i-1
+            end[pages[o + i - 1]] = True
+            ids += 1
+            nid[pages[o + i - 1]] = ids
+        if i < L:
+            if i:
+                nch[pages[o + i - 1]] += 1
+            prev = pages[o + i - 1] if i else -1
+            for j in range(i, L):
+                p = pages[o + j]
+                cached[p] = True
+                end[p] = False
+                par[p] = prev
+                nch[p] = 1
+                last[p] = tick
+                prev = p
+            nch[pages[o + L - 1]] = 0
+            end[pages[o + L - 1]] = True
+            ids += 1
+            nid[pages[o + L - 1]] = ids
+            n_cached += L - i
+        if L:
+            e = pages[o + L - 1]
+            if hsize == hcap:
+                hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch, last,
+                                                nid, mult)
+            hsize = _heap_push(hk, hp, hsize, -(last[e] * mult + nid[e]), e)
+    return hit_tokens, hit_requests, evicted
+
+
+@njit(cache=True)
+def _lru_room(hk, hp, hsize, hcap, cached, end, nch, last, nid, mult):  # type: ignore[no-untyped-def]
+    """A full candidate heap: drop its stale entries; double it if the live ones fill half."""
+    w = 0
+    for q in range(hsize):
+        e = hp[q]
+        if cached[e] and end[e] and nch[e] == 0 and hk[q] == -(last[e] * mult + nid[e]):
+            hk[w] = hk[q]
+            hp[w] = e
+            w += 1
+    if w * 2 > hcap:
+        hcap *= 2
+        nk = np.empty(hcap, np.int64)
+        npg = np.empty(hcap, np.int64)
+        nk[:w] = hk[:w]
+        npg[:w] = hp[:w]
+        hk = nk
+        hp = npg
+    size = 0
+    for q in range(w):
+        size = _heap_push(hk, hp, size, hk[q], hp[q])
+    return hk, hp, size, hcap
+
+
+@dataclass
+class LruResult:
+    capacity_pages: int
+    hit_tokens: int  # capped at each request's input length, as the replay counts them
+    hit_requests: int
+    evicted_pages: int
+
+
+def tree_lru(
+    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int | None = None
+) -> list[LruResult]:
+    """The device-only LRU of `HiRadixCache` (page ids, write-through, no host or storage tier),
+    compiled: per capacity, the same hits as `simulate.replay_arrays` request for request.
+
+    The tree's state is kept per page: cached, ends its node, parent page, cached children, last
+    access and node id. A request matches its leading cached lookup pages (splitting the node the
+    match ends inside, which takes a new id, as `RadixTree.split` gives the upper part), touches
+    them, evicts least recently used unlocked leaf *nodes* whole (ties on the node id) until its
+    new pages fit, or caches nothing when they cannot, then inserts its path as one new node and
+    touches the whole path. Page ids must be prefix-chained (one parent per page), as block
+    hashes and the interned token pages are. Checked against the replay in tests/tools/test_fast.py.
+    """
+    start = warmup_start(arrs, warmup)
+
+    def one(c: int) -> LruResult:
+        if c < 1:
+            raise ValueError(f"capacity must be >= 1 page, got {c}")
+        t, r, ev = _tree_lru(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+                             np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c),
+                             np.int64(start))
+        return LruResult(int(c), int(t), int(r), int(ev))
+
+    todo = sorted(set(int(c) for c in capacities))
+    workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+    if workers == 1:
+        done = {c: one(c) for c in todo}
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            done = dict(zip(todo, pool.map(one, todo)))
+    return [done[int(c)] for c in capacities]
