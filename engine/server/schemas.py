@@ -68,8 +68,9 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # with include_usage: the usage in every chunk
+    # vLLM's clients send null for either (its defaults are Optional).
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # with include_usage: the usage in every chunk
 
 
 class StructuredOutputs(_Body):
@@ -140,7 +141,7 @@ class _OpenAISampling(_Body):
     # vLLM's prompt and logprob options.
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionBody(_OpenAISampling):

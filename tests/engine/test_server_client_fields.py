@@ -59,6 +59,12 @@ def test_the_models_declare_exactly_the_honoured_rows() -> None:
     assert kinds == {RF.HONOURED, RF.DEFAULT_ONLY, RF.ANY_VALUE}
 
 
+# Fields the bodies of _body() set themselves.
+BASE_FIELDS = {RF.GENERATE: ("text", "sampling_params"), RF.SAMPLING: ("max_new_tokens",),
+               RF.STRUCTURED: ("regex",), RF.COMPLETION: ("max_tokens",),
+               RF.CHAT: ("max_tokens",)}
+
+
 def _refused_value(row: RF.Row) -> Any:
     for v in ("not-the-default", 7, True, False, {"k": 1}, ["x"]):
         if not row.takes(v):
@@ -97,7 +103,15 @@ def test_every_row_does_what_it_says(server: EngineServer) -> None:
             for name, row in table.items():
                 counts[row.kind] += 1
                 if row.honoured:
-                    continue  # declared by the models (above); their effects: the tests below
+                    # Declared by the models (above); sent at the model's default it passes
+                    # (vLLM's clients send their defaults, nulls included). Effects: below.
+                    field = {f.alias or n: f for n, f in MODELS[where].model_fields.items()}[name]
+                    if field.is_required() or name in BASE_FIELDS.get(where, ()):
+                        continue
+                    path, body, _ = _body(where, name, field.get_default(call_default_factory=True))
+                    r = c.post(path, json=body)
+                    assert r.status_code == 200, (where, name, r.text)
+                    continue
                 if row.kind == RF.ANY_VALUE:
                     value = "a name" if row.takes("a name") else {"key": "a name"}
                     path, body, _ = _body(where, name, value)
@@ -115,6 +129,37 @@ def test_every_row_does_what_it_says(server: EngineServer) -> None:
                 assert (err["param"], err["code"]) == (param, "unsupported_parameter"), err
                 assert row.asks in err["message"]
     assert counts[RF.DEFAULT_ONLY] > 100 and counts[RF.HONOURED] > 100, counts
+
+
+# vLLM's request fields at vLLM's own defaults (its CompletionRequest / ChatCompletionRequest),
+# the ones issue 37 found refused.
+VLLM_DEFAULTS: dict[str, Any] = {
+    "add_special_tokens": True, "echo": False, "include_stop_str_in_output": False,
+    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+    "logits_processors": None, "return_tokens_as_token_ids": None, "kv_transfer_params": None,
+    "vllm_xargs": None, "structured_outputs": None, "spaces_between_special_tokens": True,
+    "priority": 0, "request_id": "vllm-req", "skip_special_tokens": True, "min_tokens": 0,
+    "ignore_eos": False, "stop_token_ids": [], "cache_salt": None, "response_format": None,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+}
+VLLM_CHAT = {"add_generation_prompt": True, "add_special_tokens": False,
+             "continue_final_message": False, "documents": None, "chat_template": None,
+             "chat_template_kwargs": None, "mm_processor_kwargs": None}
+
+
+def test_vllm_bodies_at_their_defaults(server: EngineServer) -> None:
+    comp = {"prompt": "Hello", "max_tokens": 3, **GREEDY}
+    chat = {"messages": [USER], "max_tokens": 3, **GREEDY}
+    for path, body, plain in (
+            ("/v1/completions", {**comp, **VLLM_DEFAULTS, "prompt_embeds": None}, comp),
+            ("/v1/chat/completions", {**chat, **VLLM_DEFAULTS, **VLLM_CHAT}, chat)):
+        out = server.post(path, body)
+        ref = server.post(path, plain)
+        assert out["choices"] == ref["choices"] and out["usage"] == ref["usage"]
+        assert out["id"].endswith("-vllm-req")
+        events = _stream(server, path, body)
+        assert events[-1]["usage"] == ref["usage"]
 
 
 def test_one_refusal_names_every_field_logs_and_counts(server: EngineServer) -> None:
