@@ -314,15 +314,24 @@ def stack_distances(
 
 @njit(cache=True)
 def _next_uses(pages, off, n_lookup, num_pages, nu):  # type: ignore[no-untyped-def]
-    """Per page reference: the next request after this one whose lookup covers the page."""
+    """Per page reference: the next request after this one whose lookup covers the page (n:
+    none). Returns whether every such dead reference is also the page's last appearance."""
     n = len(n_lookup)
     nxt = np.full(num_pages, n, nu.dtype)
+    seen = np.zeros(num_pages, np.bool_)  # appears in a later path
+    final = True
     for r in range(n - 1, -1, -1):
         o = off[r]
         for idx in range(o, off[r + 1]):
-            nu[idx] = nxt[pages[idx]]
+            p = pages[idx]
+            nu[idx] = nxt[p]
+            if nu[idx] == n and seen[p]:
+                final = False
+        for idx in range(o, off[r + 1]):
+            seen[pages[idx]] = True
         for i in range(n_lookup[r]):
             nxt[pages[o + i]] = r
+    return final
 
 
 @njit(cache=True, inline="always")
@@ -371,8 +380,13 @@ def _heap_pop(hk, hp, size):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult, start):  # type: ignore[no-untyped-def]
+def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult, start,  # type: ignore[no-untyped-def]
+            dead_final):
+    # dead_final: a page with no future use never appears again, so which of them stay cached
+    # cannot matter (they leave first, before any page with a future use): they are a count,
+    # never pushed on the heap.
     n = len(n_lookup)
+    dead = 0
     key = np.full(num_pages, -1, np.int64)  # cached page -> next use * depth_mult + depth
     count = 0
     hcap = 1024
@@ -395,6 +409,13 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
             hit_requests += 1
         for depth in range(off[r + 1] - o):
             p = pages[o + depth]
+            if dead_final and nu[o + depth] == n:
+                if key[p] >= 0:
+                    key[p] = -1  # leaves the heap's live set (its entry goes stale)
+                else:
+                    count += 1
+                dead += 1
+                continue
             e = np.int64(nu[o + depth]) * depth_mult + depth
             if key[p] != e:
                 if key[p] < 0:
@@ -420,6 +441,9 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
                     for q in range(w):
                         hsize = _heap_push(hk, hp, hsize, hk[q], hp[q])
                 hsize = _heap_push(hk, hp, hsize, e, p)
+        while count > cap and dead:
+            dead -= 1
+            count -= 1
         while count > cap:
             e = hk[0]
             p = hp[0]
@@ -442,7 +466,8 @@ def belady(
     if not arrs.requests:
         return [OptResult(c, 0, 0, 0) for c in capacities]
     nu = np.empty(len(arrs.pages), np.int32 if arrs.requests < 2**31 - 1 else np.int64)
-    _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages), nu)
+    dead_final = bool(
+        _next_uses(arrs.pages, arrs.offsets, arrs.n_lookup, np.int64(arrs.num_pages), nu))
     depth_mult = int(np.diff(arrs.offsets).max()) + 1
 
     todo = sorted(set(int(c) for c in capacities))
@@ -456,7 +481,7 @@ def belady(
             return
         t, r, p, lost = _belady(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
                                 np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c),
-                                nu, np.int64(depth_mult), np.int64(start))
+                                nu, np.int64(depth_mult), np.int64(start), dead_final)
         done[c] = (int(t), int(r), int(p))
         if not lost:
             saturated.append(c)
