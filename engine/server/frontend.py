@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -60,6 +61,18 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# Refused fields a log line names at most (a body may hold thousands of unknown ones).
+LOG_FIELDS = 20
+
+
+def _named(fields: Iterable[str]) -> str:
+    """The fields of a refusal for one log line: escaped (a client's key may hold a newline),
+    at most LOG_FIELDS of them."""
+    names = [ascii(f)[1:-1] for f in fields]
+    more = f" and {len(names) - LOG_FIELDS} more" if len(names) > LOG_FIELDS else ""
+    return ", ".join(names[:LOG_FIELDS]) + more
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hicache-engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -69,7 +82,7 @@ def create_app(state: ServerState) -> FastAPI:
         if exc.status < 500:
             # The route, the code and the fields; never the message (it may quote the prompt).
             logger.info("refused %s %s: %d %s (%s)", request.method, request.url.path,
-                        exc.status, exc.code, ", ".join(exc.fields) or exc.param or "-")
+                        exc.status, exc.code, _named(exc.fields) or exc.param or "-")
             if state.metrics is not None:
                 state.metrics.bad_requests.inc()
                 state.metrics.refused(exc.fields)

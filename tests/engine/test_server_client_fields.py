@@ -179,7 +179,16 @@ def test_one_refusal_names_every_field_logs_and_counts(server: EngineServer) -> 
         assert r.status_code == 400
         assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (
             "unknown_field", "no_such_field, zz")
+        # Many unknown fields, one with a newline in its name: one escaped, bounded log line.
+        many = {"bad\nname": 1} | {f"x{i:02d}": 1 for i in range(25)}
+        r = c.post("/v1/completions", json={"prompt": "x", **many})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("bad\nname, x00")
         metrics = c.get("/metrics").text
+    log = server.proc.log()
+    assert ("refused POST /v1/completions: 400 unknown_field (bad\\nname, x00, x01, x02, x03, "
+            "x04, x05, x06, x07, x08, x09, x10, x11, x12, x13, x14, x15, x16, x17, x18 and 6 "
+            "more)") in log
+    assert "bad\nname" not in log
     line = ('refused /v1/chat/completions: 400 unsupported_parameter '
             '(store, tools, service_tier, no_such_field, other_unknown)')
     assert f"INFO engine.server.frontend: refused POST {line[8:]}" in server.proc.log()
