@@ -290,6 +290,16 @@ def test_vllm_sampling_fields(server: EngineServer, tok: Any) -> None:
                 tok(" " + word, add_special_tokens=False)["input_ids"]):
         assert not any(banned_ids[i:i + len(seq)] == seq for i in range(len(banned_ids)))
     assert banned_ids != out["output_ids"][:12]
+    with server.client() as c:
+        for bad_body, param in (({"allowed_token_ids": [10 ** 9]}, None),
+                                ({"allowed_token_ids": []}, "allowed_token_ids"),
+                                ({"bad_words": [" "]}, "bad_words")):
+            r = c.post("/v1/completions", json={"prompt": "x", **bad_body})
+            assert r.status_code == 400, (bad_body, r.text)
+            if param is not None:
+                assert r.json()["error"]["param"] == param
+            else:
+                assert "outside the vocabulary" in r.json()["error"]["message"]
     # Unused, the output is the plain greedy one.
     assert _comp(server, bad_words=[], allowed_token_ids=None)["choices"][0]["text"] == text
 
