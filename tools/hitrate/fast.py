@@ -122,9 +122,30 @@ def _dense_in_place(ids, slots):  # type: ignore[no-untyped-def]
     return n
 
 
+@njit(cache=True)
+def _dense_direct(ids, top):  # type: ignore[no-untyped-def]
+    table = np.full(top + 1, -1, np.int64)
+    n = 0
+    for i in range(len(ids)):
+        x = ids[i]
+        v = table[x]
+        if v < 0:
+            v = table[x] = n
+            n += 1
+        ids[i] = v
+    return n
+
+
 def dense_in_place(ids: np.ndarray) -> int:
     """`ids` (int64, writable) renumbered in place by first appearance; the distinct count.
-    Memory: 24 bytes per table slot, at most 3 slots per distinct id."""
+    Ids that are small non-negative integers (at most 4 per reference: Mooncake's are dense)
+    are numbered through a table indexed by id (8 bytes per id value); others through a hash
+    table (24 bytes per slot, at most 3 slots per distinct id)."""
+    if not len(ids):
+        return 0
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < 4 * len(ids) + 1024:
+        return int(_dense_direct(ids, np.int64(hi)))
     return int(_dense_in_place(ids, np.int64(1 << 16)))
 
 
@@ -567,17 +588,16 @@ def sharing(arrs: PageArrays) -> Sharing:
 
 
 @njit(cache=True, nogil=True)
-def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # type: ignore[no-untyped-def]
+def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start, par):  # type: ignore[no-untyped-def]
     """HiRadixCache's device-only LRU replayed page by page (see `tree_lru`)."""
     n = len(n_lookup)
+    # 13 bytes a page: flags, cached children, last access, node id (`par` is shared)
     cached = np.zeros(num_pages, np.bool_)
     end = np.zeros(num_pages, np.bool_)  # the page ends its node
-    par = np.full(num_pages, -1, np.int64)  # parent page (-1: a root's child)
-    nch = np.zeros(num_pages, np.int64)  # cached child pages
-    last = np.zeros(num_pages, np.int64)  # the node's last access (a logical clock)
-    nid = np.zeros(num_pages, np.int64)  # node id, on the node's end page
-    lock = np.full(num_pages, -1, np.int64)  # request holding the page's path
-    mult = np.int64(2 * len(pages) + 2 * n + 4)  # node ids stay below this
+    nch = np.zeros(num_pages, np.int32)  # cached child pages
+    last = np.zeros(num_pages, np.int32)  # the node's last access (a logical clock, 2 a request)
+    nid = np.zeros(num_pages, np.int32)  # node id, on the node's end page (3 a request at most)
+    mult = np.int64(3 * n + 4)  # node ids stay below this (a new node and two splits a request)
     hcap = 1024
     hk = np.empty(hcap, np.int64)
     hp = np.empty(hcap, np.int64)
@@ -601,9 +621,9 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
             ids += 1
             nid[pages[o + k - 1]] = ids
         tick += 1
+        locked = tick  # the matched path is locked: its pages, and only they, bear this tick
         for i in range(k):
             last[pages[o + i]] = tick
-            lock[pages[o + i]] = r
         if r >= start:
             h = min(ps * k, input_len[r])
             hit_tokens += h
@@ -617,8 +637,8 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
             key = hk[0]
             e = hp[0]
             hsize = _heap_pop(hk, hp, hsize)
-            if not (cached[e] and end[e] and nch[e] == 0 and lock[e] != r
-                    and key == -(last[e] * mult + nid[e])):
+            if not (cached[e] and end[e] and nch[e] == 0 and last[e] != locked
+                    and key == -(np.int64(last[e]) * mult + nid[e])):
                 continue
             x = e
             while True:
@@ -632,11 +652,11 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
                     break
             if x >= 0:
                 nch[x] -= 1
-                if nch[x] == 0 and lock[x] != r:
+                if nch[x] == 0 and last[x] != locked:
                     if hsize == hcap:
                         hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch,
                                                         last, nid, mult)
-                    hsize = _heap_push(hk, hp, hsize, -(last[x] * mult + nid[x]), x)
+                    hsize = _heap_push(hk, hp, hsize, -(np.int64(last[x]) * mult + nid[x]), x)
         if need > cap - n_cached:
             # no room: the request caches nothing; its release makes its deepest matched node
             # a candidate again if eviction left it a leaf
@@ -645,7 +665,7 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
                 if hsize == hcap:
                     hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch, last,
                                                     nid, mult)
-                hsize = _heap_push(hk, hp, hsize, -(last[e] * mult + nid[e]), e)
+                hsize = _heap_push(hk, hp, hsize, -(np.int64(last[e]) * mult + nid[e]), e)
             continue
         # insert: walk the cached part (splitting where the path leaves a node), add the rest
         tick += 1
@@ -661,15 +681,12 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
         if i < L:
             if i:
                 nch[pages[o + i - 1]] += 1
-            prev = pages[o + i - 1] if i else -1
             for j in range(i, L):
                 p = pages[o + j]
                 cached[p] = True
                 end[p] = False
-                par[p] = prev
                 nch[p] = 1
                 last[p] = tick
-                prev = p
             nch[pages[o + L - 1]] = 0
             end[pages[o + L - 1]] = True
             ids += 1
@@ -680,8 +697,16 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start):  # ty
             if hsize == hcap:
                 hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch, last,
                                                 nid, mult)
-            hsize = _heap_push(hk, hp, hsize, -(last[e] * mult + nid[e]), e)
+            hsize = _heap_push(hk, hp, hsize, -(np.int64(last[e]) * mult + nid[e]), e)
     return hit_tokens, hit_requests, evicted
+
+
+@njit(cache=True)
+def _parents(pages, off, par):  # type: ignore[no-untyped-def]
+    """The parent page of every page (-1: first on its path); prefix-chained ids have one."""
+    for r in range(len(off) - 1):
+        for idx in range(off[r] + 1, off[r + 1]):
+            par[pages[idx]] = pages[idx - 1]
 
 
 @njit(cache=True)
@@ -690,7 +715,8 @@ def _lru_room(hk, hp, hsize, hcap, cached, end, nch, last, nid, mult):  # type: 
     w = 0
     for q in range(hsize):
         e = hp[q]
-        if cached[e] and end[e] and nch[e] == 0 and hk[q] == -(last[e] * mult + nid[e]):
+        if cached[e] and end[e] and nch[e] == 0 and hk[q] == -(np.int64(last[e]) * mult
+                                                               + nid[e]):
             hk[w] = hk[q]
             hp[w] = e
             w += 1
@@ -731,13 +757,18 @@ def tree_lru(
     hashes and the interned token pages are. Checked against the replay in tests/tools/test_fast.py.
     """
     start = warmup_start(arrs, warmup)
-
-    def one(c: int) -> LruResult:
+    if arrs.requests >= 2**29 or len(arrs.pages) >= 2**30:
+        raise ValueError("tree_lru counts in int32: at most 2**29 requests and 2**30 pages")
+    for c in capacities:
         if c < 1:
             raise ValueError(f"capacity must be >= 1 page, got {c}")
+    par = np.full(arrs.num_pages, -1, np.int32 if arrs.num_pages < 2**31 else np.int64)
+    _parents(arrs.pages, arrs.offsets, par)
+
+    def one(c: int) -> LruResult:
         t, r, ev = _tree_lru(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
                              np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c),
-                             np.int64(start))
+                             np.int64(start), par)
         return LruResult(int(c), int(t), int(r), int(ev))
 
     todo = sorted(set(int(c) for c in capacities))
