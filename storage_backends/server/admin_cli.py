@@ -21,6 +21,7 @@ line), 2 usage (one line).
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import math
 import os
@@ -61,17 +62,44 @@ class AdminClient:
             self._sock.close(linger=0)
             raise AdminError(f"--url {url}: {e}") from None
         self._ids = 0
+        self._nonce: bytes | None = None  # the server's hello nonce: the token is proved
+        self._said_hello = False
 
-    def call(self, req: P.Request, kind: type[R]) -> R:
+    def _exchange(self, req: P.Request, token: str) -> P.Reply:
         self._ids += 1
-        req.request_id, req.token = self._ids, self.token
+        req.request_id = self._ids
+        req.token = P.request_proof(self.token, self._nonce, self._ids, req.TYPE) \
+            if self._nonce is not None and token else token
         self._sock.send_multipart(P.encode(req))
         while True:
             if not self._sock.poll(self.timeout_ms, zmq.POLLIN):
                 raise AdminError(f"no reply from {self.url} within {self.timeout_ms} ms")
             reply = P.decode(self._sock.recv_multipart(), expect="reply")
             if reply.request_id == req.request_id:
-                break
+                assert isinstance(reply, P.Reply)
+                return reply
+
+    def _hello(self) -> None:
+        """Prove the admin token instead of sending it (protocol 7; an older server gets it
+        as it is), and refuse a server that does not hold it."""
+        self._said_hello = True
+        client_nonce = os.urandom(32)
+        reply = self._exchange(P.HelloRequest(token_id=P.token_id(self.token),
+                                              client_nonce=client_nonce.hex()), "")
+        if isinstance(reply, P.HelloReply):
+            nonce = bytes.fromhex(reply.nonce) if len(reply.nonce) >= 32 else b""
+            if not nonce or not hmac.compare_digest(
+                    reply.proof, P.server_proof(self.token, nonce, client_nonce)):
+                raise AdminError(f"{self.url} does not hold the admin token (its hello proof "
+                                 "is wrong): not the server meant")
+            self._nonce = nonce
+        elif isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.UNAUTHORIZED:
+            raise AdminError(f"{self.url} refused the admin token: {reply.message}")
+
+    def call(self, req: P.Request, kind: type[R]) -> R:
+        if not self._said_hello:
+            self._hello()
+        reply = self._exchange(req, self.token)
         if isinstance(reply, P.ErrorReply):
             hint = " (a server before protocol 6 has no admin API)" \
                 if reply.code in (P.ErrorCode.BAD_VERSION, P.ErrorCode.UNKNOWN_TYPE) else ""

@@ -15,6 +15,7 @@ from hicache.codec import HEADER_BYTES
 from hicache.errors import ConfigError
 from storage_backends.hicache_backend import HiCacheServerBackend
 from storage_backends.hicache_seal import OVERHEAD, SEALED_MAGIC, Sealer
+from storage_backends.server import protocol as P
 from tests.storage_backends.conftest import NAMESPACE, buffers
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,
@@ -67,6 +68,14 @@ def test_sealed_pages_round_trip_and_the_server_holds_only_ciphertext(
             assert got is not None and len(got) == len(rec) + OVERHEAD
             assert got[:4] == SEALED_MAGIC and got[4:120] == bytes(rec[4:120])
             assert bytes(rec[HEADER_BYTES:HEADER_BYTES + 64]) not in got
+        if path["shm"]:  # the store's arena (/dev/shm) holds the records: only ciphertext
+            mapped = raw.call(P.MapStoreRequest())
+            assert isinstance(mapped, P.MapStoreReply) and mapped.name
+            arena = (Path("/dev/shm") / mapped.name).read_bytes()
+            assert SEALED_MAGIC + bytes(recs[0][4:64]) in arena  # the records are there
+            for rec in (*recs, *r2):
+                for at in range(HEADER_BYTES, len(rec) - 64, 2048):
+                    assert bytes(rec[at:at + 64]) not in arena
         # The server clears sealed records by the namespace their header names.
         assert b.clear_namespace(NAMESPACE) == 2 * N
         assert b.batch_exists(keys) == 0

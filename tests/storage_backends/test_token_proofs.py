@@ -191,9 +191,18 @@ def test_a_restarted_server_gets_a_new_hello(tenants_server: HiCacheServerProc) 
         b.close()
 
 
-def test_require_token_proof_refuses_plain_tokens(tmp_path: Path) -> None:
+def test_require_token_proof_refuses_plain_tokens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from storage_backends.server.admin_cli import main as admin_main
+
     token = "shared-token-0000001"
-    with hicache_server(tmp_path, auth_token=token, args=["--require-token-proof"]) as srv:
+    args = ["--require-token-proof", "--admin-token", ADMIN]
+    with hicache_server(tmp_path, auth_token=token, args=args) as srv:
+        # hicache-admin proves the admin token too; a wrong one is named.
+        assert admin_main(["--url", srv.url, "--admin-token", ADMIN, "--json", "stats"]) == 0
+        assert '"totals"' in capsys.readouterr().out
+        assert admin_main(["--url", srv.url, "--admin-token", "wrong-admin-token-1", "stats"]) == 1
+        assert "refused the admin token" in capsys.readouterr().err
         raw = RawClient(srv.url)
         try:
             reply = raw.call(P.PingRequest(token=token))
