@@ -153,16 +153,15 @@ def dense_in_place(ids: np.ndarray) -> int:
 
 
 @njit(cache=True)
-def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep, start):  # type: ignore[no-untyped-def]
+def _stack(pages, off, n_lookup, input_len, ps, flat, keep, start, last, req_at, reuse_at):  # type: ignore[no-untyped-def]
+    # last, req_at, reuse_at come allocated (int32 where the counts allow: see stack_distances)
     n = len(n_lookup)
+    num_pages = len(last)
     total = 0
     for r in range(n):
         total += n_lookup[r] if flat else off[r + 1] - off[r]
     tree = np.zeros(total + 2, np.int32)
-    last = np.full(num_pages, -1, np.int64)
     tok_at = np.zeros(num_pages + 2, np.int64)
-    req_at = np.zeros(num_pages + 2, np.int64)
-    reuse_at = np.zeros(num_pages + 2, np.int64)
     dist = np.zeros(off[n] if keep else 0, np.int64)  # keep: per lookup page, 0 = cold
     size = total + 1
     live = 0
@@ -221,7 +220,7 @@ def _stack(pages, off, n_lookup, input_len, ps, num_pages, flat, keep, start):  
             clock += 1
         if live > max_live:
             max_live = live
-    return tok_at, req_at, reuse_at, cold, max_live, dist
+    return tok_at, cold, max_live, dist
 
 
 @dataclass
@@ -246,7 +245,7 @@ class ArrayStack:
             nz = np.flatnonzero(a)
             top = max(top, int(nz[-1]) + 1 if len(nz) else 1)
         self.tok_at, self.req_at, self.reuse_at = (
-            self.tok_at[:top].copy(), self.req_at[:top].copy(), self.reuse_at[:top].copy())
+            a[:top].astype(np.int64) for a in (self.tok_at, self.req_at, self.reuse_at))
         self.cum_tok = np.cumsum(self.tok_at)
         self.cum_req = np.cumsum(self.req_at)
 
@@ -315,10 +314,15 @@ def stack_distances(
     if order not in ("tree", "flat"):
         raise ValueError(f"order must be 'tree' or 'flat', got {order!r}")
     start = warmup_start(arrs, warmup)
-    tok, req, reuse, cold, max_live, dist = _stack(
+    small = np.int32 if len(arrs.pages) < 2**31 - 2 else np.int64  # clocks and counts fit
+    last = np.full(arrs.num_pages, -1, small)
+    req = np.zeros(arrs.num_pages + 2, small)
+    reuse = np.zeros(arrs.num_pages + 2, small)
+    tok, cold, max_live, dist = _stack(
         arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len, np.int64(arrs.page_size),
-        np.int64(arrs.num_pages), order == "flat", keep_distances, np.int64(start),
+        order == "flat", keep_distances, np.int64(start), last, req, reuse,
     )
+    del last
     res = ArrayStack(arrs.page_size, int(arrs.input_len[start:].sum()), arrs.requests - start,
                      tok, req, reuse, int(cold), int(max_live))
     if keep_distances:
