@@ -5,10 +5,11 @@ LRU and the optimum, over the last half of the requests (warm-up 0.5, the peer's
 Traces: traces/mooncake_conversation_trace.jsonl repeated `--scales` times with disjoint hash
 ids, interleaved in time (copy k of a request keeps its timestamp; ties in copy order). Each tool
 runs in its own child process, once per trace; time is wall time and memory the child's peak RSS
-(`wait4`). Ours answers with the streamed reader and the compiled one-pass analyses
-(`tools/hitrate/fast.py`): one LRU stack-distance pass for every budget, one Belady pass per
-budget. `--before` also times the command of issue 35's table with the code before those
-(`git archive <rev> tools`). `--verify N` replays N budgets exactly through `HiRadixCache`.
+(`wait4`). Ours answers with the streamed reader and the compiled analyses
+(`tools/hitrate/fast.py`): HiRadixCache's own LRU (`tree_lru`, exact) and Belady, one pass per
+budget each (on threads), and the one-pass LRU curve beside them. `--before` also times the command of issue 35's table with the code before those
+(`git archive <rev> tools`). `--verify N` replays N budgets of the x1 trace exactly through
+`HiRadixCache` and compares them with the compiled LRU.
 
     python benchmarks/bench_hitrate_peers.py [--scales 10,30] [--before 5e30887] [--verify 2]
 """
@@ -49,11 +50,11 @@ def build_trace(src: Path, scale: int, out: Path) -> int:
     return n
 
 
-def run_child(cmd: list[str], stdout: Path | None = None) -> dict[str, Any]:
-    """Runs `cmd`; its wall time and peak RSS (bytes)."""
+def run_child(cmd: list[str], stdout: Path | None = None, cwd: Path = REPO) -> dict[str, Any]:
+    """Runs `cmd` in `cwd`; its wall time and peak RSS (bytes)."""
     t0 = time.perf_counter()
     with open(stdout or os.devnull, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, cwd=cwd)
         _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -75,28 +76,35 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     arrs = sink.arrays(tr, BLOCK)
     del sink
     t_read = time.perf_counter() - t0
-    stack = fast.stack_distances(arrs, warmup=warmup)
-    t_lru = time.perf_counter() - t0 - t_read
+    t1 = time.perf_counter()
+    stack = fast.stack_distances(arrs, warmup=warmup)  # the one-pass curve (an upper bound)
+    t_mrc = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    lru = fast.tree_lru(arrs, caps, warmup=warmup)  # HiRadixCache's own LRU, exact
+    t_lru = time.perf_counter() - t1
+    t1 = time.perf_counter()
     opts = fast.belady(arrs, caps, warmup=warmup)
-    t_opt = time.perf_counter() - t0 - t_read - t_lru
+    t_opt = time.perf_counter() - t1
     n_in = stack.input_tokens
     doc: dict[str, Any] = {
-        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt,
+        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt, "mrc_s": t_mrc,
         "requests": arrs.requests, "page_refs": len(arrs.pages), "array_bytes": arrs.nbytes(),
-        "points": [{"cacheBlocks": c, "lru": stack.hit_tokens(c) / n_in,
-                    "optimal": o.hit_tokens / n_in} for c, o in zip(caps, opts)],
+        "points": [{"cacheBlocks": c, "lru": x.hit_tokens / n_in, "optimal": o.hit_tokens / n_in,
+                    "lru_one_pass_curve": stack.hit_tokens(c) / n_in}
+                   for c, x, o in zip(caps, lru, opts)],
         "ceiling": stack.unbounded_hit_tokens / n_in,
     }
     if verify:
-        # Exact replays (device-only LRU through HiRadixCache) at the smallest budgets, counted
-        # over the whole trace: the one-pass curve's point next to the tree's own number.
-        whole = fast.stack_distances(arrs)
+        # Exact replays (device-only LRU through HiRadixCache) at `verify` budgets spread over
+        # the list, counted over the whole trace, next to the compiled LRU's number.
+        picks = caps[:: max(1, len(caps) // verify)][:verify]
         checks = []
-        for c in caps[:verify]:
+        for c, x in zip(picks, fast.tree_lru(arrs, picks)):
             t1 = time.perf_counter()
             sim = replay_arrays(arrs, TierConfig(page_size=BLOCK, device_pages=c))
             checks.append({"cacheBlocks": c, "exact_replay_hit_tokens": sim.hit_tokens,
-                           "mrc_hit_tokens": whole.hit_tokens(c),
+                           "compiled_lru_hit_tokens": x.hit_tokens,
+                           "equal": sim.hit_tokens == x.hit_tokens,
                            "replay_s": time.perf_counter() - t1})
         doc["exact_replay"] = checks
     return doc
@@ -164,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                        "sys.exit(main(sys.argv[1:]))", str(trace), "--device",
                        f"{caps[len(caps) // 2]}p", "--mrc", "--mrc-points", "15", "--json",
                        "--no-progress"]
-                env_old = [*cmd]
                 for label, root in (("before", old), ("after", REPO)):
+                    # `python -c` puts its working folder first on sys.path: run in `root`
                     os.environ["PYTHONPATH"] = f"{root}:{REPO}"
-                    run[f"cli_{label}"] = run_child(env_old)
+                    run[f"cli_{label}"] = run_child(cmd, cwd=root)
                 os.environ.pop("PYTHONPATH", None)
                 run["cli_speedup"] = run["cli_before"]["seconds"] / run["cli_after"]["seconds"]
                 run["cli_rss_ratio"] = (run["cli_after"]["peak_rss_bytes"]
