@@ -262,8 +262,11 @@ class HiCacheServerBackend(StorageBackend):
         sealed = self._sealed_buffers.take([len(v) + OVERHEAD for v in views])
         opened: dict[int, str | None] = {}
 
-        def take(i: int, src: P.Buffer) -> None:
-            opened[i] = sealer.open_into(keys[i], memoryview(src), views[i])
+        def take(i: int, src: P.Buffer | None) -> None:
+            if src is None:  # what was taken is void (the record moved): read another way
+                opened.pop(i, None)
+            else:
+                opened[i] = sealer.open_into(keys[i], memoryview(src), views[i])
 
         lengths = self._get_into(keys, sealed, take=take)
         res: list[Checked] = []
@@ -293,7 +296,7 @@ class HiCacheServerBackend(StorageBackend):
         out: Sequence[memoryview],
         landed: Callable[[int, int], None] | None = None,
         in_place: bool = True,
-        take: Callable[[int, P.Buffer], None] | None = None,
+        take: Callable[[int, P.Buffer | None], None] | None = None,
     ) -> list[int]:
         """Raw read (`StorageBackend._get_into`): from the server's store in place when mapped
         (unless `in_place` is False), then through the region, then as TCP frames."""
@@ -326,7 +329,7 @@ class HiCacheServerBackend(StorageBackend):
             idx = list(range(len(keys)))
             store = self.conns.store_map(conn) if in_place else None
             if store is not None:  # in place from the server's arena; the rest another way
-                res[:] = locate_get(exchange, store, keys, views, self.batch_keys, landed)
+                res[:] = locate_get(exchange, store, keys, views, self.batch_keys, landed, take)
                 idx = [i for i, n in enumerate(res) if n == NOT_MAPPED]
                 self.arena.count(reads=len(keys) - len(idx), fallbacks=len(idx))
                 if not idx:
@@ -454,11 +457,12 @@ class HiCacheServerBackend(StorageBackend):
             return self._send_parts(keys, parts)
         from storage_backends.hicache_seal import OVERHEAD
 
+        sealer = self._sealer
         sizes = [sum(len(p) for p in ps) for ps in parts]
-        sealed = self._sealed_buffers.take([n + OVERHEAD for n in sizes])
         plain: list[memoryview] | None = None
-        bad: set[int] = set()
-        for i, (key, ps, out) in enumerate(zip(keys, parts, sealed)):
+        pieces: list[tuple[memoryview, memoryview]] = []  # each record's header and payload
+        idx: list[int] = []  # the records that are page records (the rest are not stored)
+        for i, (key, ps) in enumerate(zip(keys, parts)):
             if len(ps) == 1 and len(ps[0]) >= HEADER_BYTES:
                 head, payload = ps[0][:HEADER_BYTES], ps[0][HEADER_BYTES:]
             elif len(ps) == 2 and len(ps[0]) == HEADER_BYTES:
@@ -468,25 +472,33 @@ class HiCacheServerBackend(StorageBackend):
                     plain = self._scratch(sizes)
                 gather(ps, plain[i])
                 head, payload = plain[i][:HEADER_BYTES], plain[i][HEADER_BYTES:]
-            try:
-                self._sealer.seal_into(key, head, payload, out)
-            except ValueError as e:  # not a page record: not stored
-                logger.debug("hicache backend: not sealing %s: %s", key[:16], e)
-                bad.add(i)
-        if not bad:
-            return self._send_parts(keys, [(s,) for s in sealed])
-        idx = [i for i in range(len(keys)) if i not in bad]
-        got = self._send_parts([keys[i] for i in idx], [(sealed[i],) for i in idx]) if idx else []
+            problem = sealer.refuses(head)
+            if problem is not None:
+                logger.debug("hicache backend: not sealing %s: %s", key[:16], problem)
+                continue
+            idx.append(i)
+            pieces.append((head, payload))
+        # The sealed records' buffers: written by `seal` where the record does not go straight
+        # into a slot of the server's store (sealed there).
+        sealed = self._sealed_buffers.take([sizes[i] + OVERHEAD for i in idx])
+
+        def seal(j: int, dst: memoryview) -> None:
+            sealer.seal_into(keys[idx[j]], pieces[j][0], pieces[j][1], dst)
+
+        got = self._send_parts([keys[i] for i in idx], [(s,) for s in sealed], seal) \
+            if idx else []
         ok = [False] * len(keys)
         for i, stored in zip(idx, got):
             ok[i] = stored
         return ok
 
-    def _send_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]
-                    ) -> list[bool]:
+    def _send_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]],
+                    seal: Callable[[int, memoryview], None] | None = None) -> list[bool]:
         """Store records held in parts (one part each for `batch_set`): straight into slots
         of the server's store (one copy), else through the region (one copy there), else as
-        TCP frames (a record of several parts is joined into one frame first)."""
+        TCP frames (a record of several parts is joined into one frame first). `seal(i, dst)`:
+        the records are sealed, `parts[i]` only their buffer (written by `seal` first, unless
+        record i is sealed straight into a slot of the store)."""
         sizes = [sum(len(p) for p in ps) for ps in parts]
         # A record over the server's frame limit is not sent.
         send = [i for i, n in enumerate(sizes) if not self.max_frame_bytes
@@ -498,9 +510,12 @@ class HiCacheServerBackend(StorageBackend):
             idx = send
             store = self.conns.store_map(conn) if self.arena.writes_wanted else None
             if store is not None:  # straight into the server's arena; the rest another way
-                idx = self._store_set(conn, store, keys, parts, idx, ok)
+                idx = self._store_set(conn, store, keys, parts, idx, ok, seal)
                 if not idx:
                     return []
+            if seal is not None:
+                for i in idx:
+                    seal(i, parts[i][0])
             region = conn.region
             if region is not None and max(sizes[i] for i in idx) <= region.size:
                 got = shm_set(conn.exchange, region, [keys[i] for i in idx],
@@ -539,11 +554,14 @@ class HiCacheServerBackend(StorageBackend):
 
     def _store_set(self, conn: Conn, store: StoreMap, keys: Sequence[str],
                    parts: Sequence[Sequence[memoryview]], idx: list[int],
-                   ok: list[bool]) -> list[int]:
-        """Write records `idx` into slots of the server's store (one copy); those left over."""
+                   ok: list[bool], seal: Callable[[int, memoryview], None] | None = None
+                   ) -> list[int]:
+        """Write records `idx` into slots of the server's store (one copy; sealed into them
+        with `seal`); those left over."""
+        fill = None if seal is None else (lambda j, dst: seal(idx[j], dst))
         try:
             got = store_set(conn.exchange, store, conn.slots, [keys[i] for i in idx],
-                            [parts[i] for i in idx], self.batch_keys)
+                            [parts[i] for i in idx], self.batch_keys, fill)
         except ReserveRefused as e:
             self.arena.refused_writes(str(e))
             return idx

@@ -52,13 +52,21 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
 
+    @staticmethod
+    def refuses(header: memoryview) -> str | None:
+        """Why a record with this header is not sealed (not a version-2 page record), or None."""
+        if len(header) != HEADER_BYTES or bytes(header[:4]) != RECORD_MAGIC \
+                or struct.unpack_from("<H", header, _VERSION_AT)[0] != 2:
+            return "only version-2 page records are sealed"
+        return None
+
     def seal_into(self, key: str, header: memoryview, payload: memoryview,
                   out: memoryview) -> None:
         """Write the sealed record of (`header`, `payload`) into `out` (its length is
         `HEADER_BYTES + len(payload) + OVERHEAD`)."""
-        if len(header) != HEADER_BYTES or bytes(header[:4]) != RECORD_MAGIC \
-                or struct.unpack_from("<H", header, _VERSION_AT)[0] != 2:
-            raise ValueError("only version-2 page records are sealed")
+        problem = self.refuses(header)
+        if problem is not None:
+            raise ValueError(problem)
         out[:HEADER_BYTES] = header
         out[:4] = SEALED_MAGIC
         out[_SUM_AT:HEADER_BYTES] = bytes(8)

@@ -29,6 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from hicache.errors import StorageError
 from storage_backends.hicache_shm import SHM_DIR, SHM_REFUSALS, Exchange, ShmLost, checked, split
@@ -233,6 +234,17 @@ class StoreMap:
             offset += n
         return True
 
+    def fill(self, offset: int, gen: int, length: int,
+             writer: Callable[[memoryview], None]) -> bool:
+        """`write` by a callable: `writer(slot)` writes the record (exactly `length` bytes) into
+        the slot itself (a sealed record is sealed straight into it: one pass)."""
+        block = self._block(offset, length)
+        if block < 0 or self._gens[block] != gen:
+            return False
+        self._poke()
+        writer(self.buf[offset : offset + length])
+        return True
+
     def close(self) -> None:
         populator = getattr(self, "populator", None)
         if populator is not None:
@@ -268,6 +280,7 @@ def store_set(
     keys: Sequence[str],
     records: Sequence[Sequence[memoryview]],
     batch_keys: int,
+    fill: Callable[[int, memoryview], None] | None = None,
 ) -> list[bool | None]:
     """Write `records[i]` (a record's parts, one after the other) straight into slots of the
     server's arena reserved for this connection, then have the server store them (one copy,
@@ -278,7 +291,9 @@ def store_set(
     use-by time). A record takes one of its length; those lacking one are reserved first (a
     round trip); the commit reserves the same lengths again, so the next batch of alike records
     needs no reservation round trip. Raises `ShmLost` when the server's arena is not the one
-    mapped, `ReserveRefused` when the server does not know `shm_reserve`."""
+    mapped, `ReserveRefused` when the server does not know `shm_reserve`. `fill(i, slot)`,
+    when given, writes record i into its slot instead of copying `records[i]` (whose lengths
+    still say the records' sizes)."""
     now = time.monotonic()
     res: list[bool | None] = [None] * len(keys)
     sizes = [sum(len(p) for p in parts) for parts in records]
@@ -298,7 +313,8 @@ def store_set(
     idx: list[int] = []  # records written, and where
     offsets: list[int] = []
     for i, p in enumerate(picks):
-        if p is not None and store.write(p[0], p[1], records[i]):
+        if p is not None and (store.write(p[0], p[1], records[i]) if fill is None else
+                              store.fill(p[0], p[1], sizes[i], partial(fill, i))):
             idx.append(i)
             offsets.append(p[0])
     chunks = split(len(idx), None, batch_keys, 0)
@@ -374,11 +390,14 @@ def locate_get(
     out: Sequence[memoryview],
     batch_keys: int,
     landed: Callable[[int, int], None] | None = None,
+    take_view: Callable[[int, memoryview | None], None] | None = None,
 ) -> list[int]:
     """Read `keys` into `out` from the server's arena: per key the stored length (-1: absent;
     `NOT_MAPPED`: read it another way). `landed(i, length)` runs as each record is copied (its
     check then overlaps the next copies). Raises `ShmLost` when the server's arena is not the
-    one mapped (it restarted)."""
+    one mapped (it restarted). `take_view(i, record)`, when given, takes each record where it
+    lies in the arena instead of a copy into `out[i]` (which then only sizes it), and is called
+    again with None when the record changed meanwhile (what it took is void)."""
     res = [-1] * len(keys)
 
     def take(i: int, off: int, n: int, gen: int) -> None:
@@ -386,6 +405,16 @@ def locate_get(
             res[i] = -1
         elif n != len(out[i]):
             res[i] = n  # the caller sees the wrong length: a miss, nothing copied
+        elif take_view is not None:
+            src = store.view(off, n, gen) if off >= 0 else None
+            if src is not None:
+                take_view(i, src)
+                if not store.current(off, gen):
+                    take_view(i, None)
+                    src = None
+            res[i] = n if src is not None else NOT_MAPPED
+            if landed is not None and res[i] == n:
+                landed(i, n)
         else:
             res[i] = n if off >= 0 and store.read(off, n, gen, out[i]) else NOT_MAPPED
             if landed is not None and res[i] == n:

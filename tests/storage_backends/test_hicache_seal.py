@@ -53,6 +53,8 @@ def test_sealed_pages_round_trip_and_the_server_holds_only_ciphertext(
         out = buffers(N, len(recs[0]))
         assert b.batch_get(keys, out) == [True] * N
         assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        if path["shm"]:  # sealed straight into the store's slots, opened where they lie
+            assert (b.arena.writes, b.arena.reads, b.arena.fallbacks) == (N, N, 0)
         # In parts (a header buffer and a payload region, as from a host pool).
         heads, bodies = buffers(N, HEADER_BYTES), buffers(N, PAYLOAD)
         assert b.batch_get_parts(keys, [(h, p) for h, p in zip(heads, bodies)]) == [True] * N
