@@ -36,6 +36,7 @@ FLAGS = [
     "--load-back-threshold",
     "--mrc",
     "--mrc-points",
+    "--sample",
     "--target",
     "--no-opt",
     "--prefill-tokens-per-s",
@@ -319,3 +320,19 @@ def test_lmcache_log_gives_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert doc["config"]["kv_bytes_per_token"] == 2 * 2 * 4 * 2  # 32 bytes a token
     assert doc["config"]["device_pages"] == 2  # 1 KiB = 32 tokens = 2 pages of 16
     assert doc["result"]["hit_tokens"] == 2 * 32  # full chunks only; the 8-token tail never hits
+
+
+def test_sample_prints_the_curve_and_its_error(small: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, [str(small), "--block-size", "16", "--mrc", "--sample", "1"])
+    sample = doc["mrc"]["sample"]
+    assert sample["rate"] == 1.0 and sample["sampled_page_refs"] == sample["page_refs"]
+    assert sample["max_abs_error"] == pytest.approx(0.0, abs=1e-12)
+    for p in doc["mrc"]["points"]:
+        assert p["sampled_hit_rate"] == pytest.approx(p["hit_rate"], abs=1e-12)
+    assert main([str(small), "--block-size", "16", "--mrc", "--sample", "0.5",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "sampled (0.5)" in out and "error against the exact curve" in out
+    assert main([str(small), "--mrc", "--sample", "0", "--no-progress"]) == 2
+    assert "--sample must be a rate in (0, 1]" in capsys.readouterr().err

@@ -16,7 +16,6 @@ machine code next to the module (`cache=True`), so only the first run pays the c
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,6 +220,127 @@ def _stack(pages, off, n_lookup, input_len, ps, flat, keep, start, last, req_at,
         if live > max_live:
             max_live = live
     return tok_at, cold, max_live, dist
+
+
+@njit(cache=True)
+def _sampled(p, threshold):  # type: ignore[no-untyped-def]
+    # spatial sampling by a hash of the page id (SplitMix64's finaliser), as SHARDS does
+    z = (p + np.int64(-7046029254386353131))
+    z = (z ^ ((z >> 30) & np.int64(0x3FFFFFFFF))) * np.int64(-4658895280553007687)
+    z = (z ^ ((z >> 27) & np.int64(0x1FFFFFFFFF))) * np.int64(-7723592293110705685)
+    z = z ^ ((z >> 31) & np.int64(0x1FFFFFFFF))
+    return (z & np.int64(0xFFFFFF)) < threshold
+
+
+@njit(cache=True)
+def _stack_sampled(pages, off, n_lookup, input_len, ps, num_pages, rate, threshold):  # type: ignore[no-untyped-def]
+    """Tree-order stack distances over the sampled pages only; a sampled lookup page at
+    distance d' among them stands for 1/rate pages at distance d'/rate (SHARDS, fixed rate)."""
+    n = len(n_lookup)
+    total = 0
+    lookup_refs = 0  # lookup page references, all and sampled (for the SHARDS-adj correction)
+    sampled_lookup = 0
+    lookup_tokens = 0
+    for r in range(n):
+        for idx in range(off[r], off[r + 1]):
+            if _sampled(pages[idx], threshold):
+                total += 1
+                if idx - off[r] < n_lookup[r]:
+                    sampled_lookup += 1
+        lookup_refs += n_lookup[r]
+        lookup_tokens += min(ps * n_lookup[r], input_len[r])
+    tree = np.zeros(total + 2, np.int32)
+    last = np.full(num_pages, -1, np.int64)
+    tok_at = np.zeros(num_pages + 2, np.float64)
+    size = total + 1
+    live = 0
+    clock = 0
+    for r in range(n):
+        o = off[r]
+        L = input_len[r]
+        for i in range(n_lookup[r]):
+            p = pages[o + i]
+            if not _sampled(p, threshold):
+                continue
+            t = last[p]
+            if t < 0:
+                break  # later pages of a chained path are cold too
+            sm = 0
+            j = t + 1
+            while j > 0:
+                sm += tree[j]
+                j -= j & -j
+            d = int(math.ceil((live - sm + 1) / rate))
+            if d > num_pages + 1:
+                d = num_pages + 1
+            gain = min(ps * (i + 1), L) - min(ps * i, L)
+            tok_at[d] += gain / rate
+        for q in range(off[r + 1] - o):
+            p = pages[off[r + 1] - 1 - q]
+            if not _sampled(p, threshold):
+                continue
+            t = last[p]
+            if t >= 0:
+                j = t + 1
+                while j <= size:
+                    tree[j] -= 1
+                    j += j & -j
+                live -= 1
+            j = clock + 1
+            while j <= size:
+                tree[j] += 1
+                j += j & -j
+            live += 1
+            last[p] = clock
+            clock += 1
+    # SHARDS-adj (Waldspurger et al., FAST '15): the sample's shortfall (or excess) of lookup
+    # references against rate x all of them goes to the smallest distance, where a hot page
+    # the hash missed (or caught) would have put its hits.
+    if lookup_refs:
+        missing = rate * lookup_refs - sampled_lookup
+        tok_at[1] += missing / rate * (lookup_tokens / lookup_refs)
+    return tok_at, total
+
+
+@dataclass
+class SampledStack:
+    """The token hit curve estimated from a spatial sample of pages (`sampled_stack`)."""
+
+    rate: float
+    input_tokens: int
+    sampled_refs: int  # page references of the sampled pages
+    tok_at: np.ndarray  # scaled distance -> estimated tokens gained
+
+    def __post_init__(self) -> None:
+        nz = np.flatnonzero(self.tok_at)
+        self.tok_at = self.tok_at[: int(nz[-1]) + 1 if len(nz) else 1].copy()
+        self.cum_tok = np.cumsum(self.tok_at)
+
+    def hit_tokens(self, capacity_pages: float) -> float:
+        if capacity_pages < 0:
+            return 0.0
+        c = len(self.cum_tok) - 1 if math.isinf(capacity_pages) else min(
+            int(capacity_pages), len(self.cum_tok) - 1)
+        return float(self.cum_tok[c])
+
+    @property
+    def saturation_pages(self) -> int:
+        nz = np.flatnonzero(self.tok_at)
+        return int(nz[-1]) if len(nz) else 0
+
+
+def sampled_stack(arrs: PageArrays, rate: float) -> SampledStack:
+    """The LRU miss-ratio curve (tree order, token hits) from the pages whose hash falls in a
+    fraction `rate` of the hash space: only their references are kept in the stack, their
+    distances are scaled by 1/rate and their token gains weighted by 1/rate; the difference
+    between rate x the lookup references and those sampled goes to distance 1 (SHARDS-adj)."""
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"sample rate must be in (0, 1], got {rate}")
+    threshold = max(1, int(round(rate * (1 << 24))))
+    tok, total = _stack_sampled(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+                                np.int64(arrs.page_size), np.int64(arrs.num_pages),
+                                threshold / (1 << 24), np.int64(threshold))
+    return SampledStack(rate, arrs.input_tokens, int(total), tok)
 
 
 @dataclass
@@ -482,10 +602,12 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
 
 
 def belady(
-    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int | None = None
+    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int = 1
 ) -> list[OptResult]:
     """`mrc.belady` over arrays, at each capacity (pages); the next uses are computed once and
-    the capacities run on `threads` threads (default: one per CPU; the kernel releases the GIL).
+    the capacities run on `threads` threads (the kernel releases the GIL; the default is one:
+    on a shared 2-core machine two threads were slower than one, each pass being bound by
+    memory latency).
     `warmup`: as in `stack_distances`."""
     start = warmup_start(arrs, warmup)
     if not arrs.requests:
@@ -511,7 +633,7 @@ def belady(
         if not lost:
             saturated.append(c)
 
-    workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+    workers = max(1, min(len(todo), threads))
     if workers == 1:
         for c in todo:
             task(c)
@@ -747,10 +869,11 @@ class LruResult:
 
 
 def tree_lru(
-    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int | None = None
+    arrs: PageArrays, capacities: list[int], *, warmup: float = 0.0, threads: int = 1
 ) -> list[LruResult]:
     """The device-only LRU of `HiRadixCache` (page ids, write-through, no host or storage tier),
-    compiled: per capacity, the same hits as `simulate.replay_arrays` request for request.
+    compiled: per capacity, the same hits as `simulate.replay_arrays` request for request (one
+    pass per capacity, on `threads` threads as in `belady`).
 
     The tree's state is kept per page: cached, ends its node, parent page, cached children, last
     access and node id. A request matches its leading cached lookup pages (splitting the node the
@@ -776,7 +899,7 @@ def tree_lru(
         return LruResult(int(c), int(t), int(r), int(ev))
 
     todo = sorted(set(int(c) for c in capacities))
-    workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+    workers = max(1, min(len(todo), threads))
     if workers == 1:
         done = {c: one(c) for c in todo}
     else:

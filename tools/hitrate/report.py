@@ -148,15 +148,28 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
         m.add_column("bytes", justify="right")
         m.add_column("hit rate", justify="right")
         m.add_column("miss ratio", justify="right")
+        sample = mrc.get("sample")
+        if sample:
+            m.add_column(f"sampled ({sample['rate']:g})", justify="right")
         for p in mrc["points"]:
-            m.add_row(
+            cells = [
                 f"{p['capacity_pages']:,}",
                 f"{p['capacity_tokens']:,}",
                 _fmt_bytes(p["capacity_bytes"]),
                 _pct(p["hit_rate"]),
                 _pct(p["miss_ratio"]),
-            )
+            ]
+            if sample:
+                cells.append(_pct(p["sampled_hit_rate"]))
+            m.add_row(*cells)
         con.print(m)
+        if sample:
+            con.print(
+                f"sampled curve: {sample['sampled_page_refs']:,} of {sample['page_refs']:,} page "
+                f"references, {sample['seconds']:.2f} s; error against the exact curve at these "
+                f"points: max {sample['max_abs_error']:.4f}, mean {sample['mean_abs_error']:.4f} "
+                "(absolute hit rate)"
+            )
         tg = mrc.get("target")
         if tg:
             if tg["capacity_pages"] is None:
