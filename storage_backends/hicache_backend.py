@@ -337,7 +337,8 @@ class HiCacheServerBackend(StorageBackend):
             region = conn.region
             if region is not None and max((len(views[i]) for i in idx), default=0) <= region.size:
                 got = shm_get(exchange, region, [keys[i] for i in idx], [views[i] for i in idx],
-                              self.batch_keys, self._shm_request_bytes)
+                              self.batch_keys, self._shm_request_bytes,
+                              None if take is None else (lambda j, src: take(idx[j], src)))
                 for i, n in zip(idx, got):
                     res[i] = n
                 return []
@@ -513,16 +514,19 @@ class HiCacheServerBackend(StorageBackend):
                 idx = self._store_set(conn, store, keys, parts, idx, ok, seal)
                 if not idx:
                     return []
-            if seal is not None:
-                for i in idx:
-                    seal(i, parts[i][0])
             region = conn.region
             if region is not None and max(sizes[i] for i in idx) <= region.size:
+                # Sealed records are sealed straight into the region.
+                fill = None if seal is None else (lambda j, dst: seal(idx[j], dst))
                 got = shm_set(conn.exchange, region, [keys[i] for i in idx],
-                              [parts[i] for i in idx], self.batch_keys, self._shm_request_bytes)
+                              [parts[i] for i in idx], self.batch_keys, self._shm_request_bytes,
+                              fill)
                 for i, stored in zip(idx, got):
                     ok[i] = stored
                 return []
+            if seal is not None:
+                for i in idx:
+                    seal(i, parts[i][0])
             # Split by key count and bytes; the parts are pipelined.
             reqs: list[P.SetRequest] = []
             index.clear()

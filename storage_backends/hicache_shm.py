@@ -280,16 +280,21 @@ def shm_set(
     records: Sequence[Sequence[memoryview]],
     batch_keys: int,
     batch_bytes: int,
+    fill: Callable[[int, memoryview], None] | None = None,
 ) -> list[bool]:
     """Store `records[i]` (a record's parts as flat byte views, one after the other; each
     record <= the region) under `keys[i]` through the region; per key, whether the server
-    stored it."""
+    stored it. `fill(i, dst)`, when given, writes record i into its place in the region
+    instead of a copy of `records[i]` (which then only sizes it)."""
     ok = [False] * len(keys)
     buf = region.buf
 
     def requests(rnd: list[Chunk]) -> Iterator[P.Request]:
         for c in rnd:  # each request goes out as soon as its records are in the region
-            for i, off in zip(c.idx, c.offsets):
+            for i, off, n in zip(c.idx, c.offsets, c.sizes):
+                if fill is not None:
+                    fill(i, buf[off : off + n])
+                    continue
                 for part in records[i]:
                     n = len(part)
                     buf[off : off + n] = part
@@ -315,9 +320,11 @@ def shm_get(
     out: Sequence[memoryview],
     batch_keys: int,
     batch_bytes: int,
+    take: Callable[[int, memoryview], None] | None = None,
 ) -> list[int]:
     """Read `keys` through the region into `out` (flat byte views, each <= the region): per key
-    the stored length (-1: absent); the bytes are copied only when it equals `len(out[i])`."""
+    the stored length (-1: absent); the bytes are copied only when it equals `len(out[i])`
+    (`take(i, record)`, when given, takes them from the region instead)."""
     res = [-1] * len(keys)
     buf = region.buf
     for rnd in plan([len(o) for o in out], batch_keys, batch_bytes, region.size):
@@ -331,7 +338,10 @@ def shm_get(
                     raise StorageError(f"server answered length {n!r}")
                 res[i] = n
                 if n >= 0 and n == cap:  # == len(out[i]): within the slot by construction
-                    out[i][:] = buf[off : off + n]
+                    if take is not None:
+                        take(i, buf[off : off + n])
+                    else:
+                        out[i][:] = buf[off : off + n]
 
         reqs: list[P.Request] = [
             P.ShmGetRequest(keys=[keys[i] for i in c.idx], offsets=c.offsets, capacities=c.sizes)

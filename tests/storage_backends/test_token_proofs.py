@@ -236,3 +236,17 @@ def test_an_older_server_gets_the_token_unless_proofs_are_required(tmp_path: Pat
         srv.stop()
     with pytest.raises(ConfigError, match="token_proof must be auto, required or off"):
         client_of(f"tcp://127.0.0.1:{free_port()}", token, token_proof="yes")
+
+
+def test_a_server_without_auth_takes_a_client_with_a_token(tmp_path: Path) -> None:
+    """As before proofs: the token is not needed there (logged); `required` refuses it."""
+    with hicache_server(tmp_path) as srv:
+        b = client_of(srv.url, "spare-token-00000001")
+        try:
+            keys, recs = pages("noauth", N, 1000)
+            assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
+            assert b.batch_exists(keys) == N and b.stats().errors == 0
+        finally:
+            b.close()
+        with pytest.raises(ConfigError, match="does not hold our auth token"):
+            client_of(srv.url, "spare-token-00000001", token_proof="required")
