@@ -110,6 +110,30 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     return doc
 
 
+def sample_errors(trace: str) -> list[dict[str, Any]]:
+    """`--sample`'s curve against the exact one at a 15-point MRC (whole trace)."""
+    from tools.hitrate import fast, mrc
+    from tools.hitrate.arrays import BlockSink
+    from tools.hitrate.traces import read_trace
+
+    sink = BlockSink()
+    arrs = sink.arrays(read_trace(trace, block_size=BLOCK, sink=sink), BLOCK)
+    t1 = time.perf_counter()
+    whole = fast.stack_distances(arrs)
+    t_exact = time.perf_counter() - t1
+    pts = mrc.mrc_points(whole, 15)
+    out = []
+    for rate in (0.1, 0.01):
+        t1 = time.perf_counter()
+        samp = fast.sampled_stack(arrs, rate)
+        t_s = time.perf_counter() - t1
+        errs = [abs(samp.hit_tokens(c) - whole.hit_tokens(c)) / whole.input_tokens for c in pts]
+        out.append({"rate": rate, "seconds": t_s, "exact_seconds": t_exact,
+                    "max_abs_error": max(errs), "sampled_page_refs": samp.sampled_refs,
+                    "page_refs": len(arrs.pages)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", default="10,30", help="trace repetitions, comma-separated")
@@ -120,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/bench_hitrate_peers.json"))
     ap.add_argument("--child", nargs=4, metavar=("TRACE", "CAPS", "WARMUP", "VERIFY"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--child-sample", metavar="TRACE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child_sample:
+        print(json.dumps(sample_errors(args.child_sample)))
+        return 0
     if args.child:
         t, caps, w, v = args.child
         print(json.dumps(ours(t, [int(c) for c in caps.split(",")], float(w), int(v))))
@@ -155,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                ",".join(map(str, caps)), "0.5",
                                str(args.verify if scale == 1 else 0)], our_out)
             odoc = json.loads(our_out.read_text())
+            run_child([sys.executable, __file__, "--child-sample", str(trace)], our_out)
+            sample = json.loads(our_out.read_text())
             run: dict[str, Any] = {
                 "scale": scale, "requests": n or odoc["requests"],
                 "page_refs": odoc["page_refs"],
@@ -164,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "optimal": pt["results"]["optimal"]["hitRate"]}
                                     for pt in pdoc["points"]]},
                 "ours": {**o_run, **odoc},
+                "sample": sample,
                 "speedup": p_run["seconds"] / o_run["seconds"],
                 "rss_ratio": o_run["peak_rss_bytes"] / p_run["peak_rss_bytes"],
             }
