@@ -300,12 +300,12 @@ def test_sampled_curve_at_rate_one_is_the_exact_curve(tmp_path: Path) -> None:
 
 
 def test_sampled_curve_error_on_the_reference_trace(mooncake_trace: Path) -> None:
-    """SHARDS at 10% of the pages of the Mooncake trace stays within 0.01 of the exact curve
+    """Sampling 10% of the pages of the Mooncake trace stays within 0.01 of the exact curve
     at every point of a 15-point MRC (measured: see docs/hitrate.md)."""
     _, arrs = streamed(mooncake_trace, 512)
     exact = fast.stack_distances(arrs)
     samp = fast.sampled_stack(arrs, 0.1)
-    assert 0.05 * len(arrs.pages) < samp.sampled_refs < 0.15 * len(arrs.pages)
+    assert 0.1 * len(arrs.pages) < samp.sampled_refs < 0.25 * len(arrs.pages)  # hot pages too
     n_in = exact.input_tokens
     errs = [abs(samp.hit_tokens(c) - exact.hit_tokens(c)) / n_in
             for c in mrc.mrc_points(exact, 15)]

@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="RATE",
         help="with --mrc: also estimate the curve from a spatial sample of pages (SHARDS: "
-        "pages whose id hash falls in RATE of the hash space, e.g. 0.01), printed beside the "
-        "exact curve with its error",
+        "pages whose id hash falls in RATE of the hash space, e.g. 0.01, plus every page looked "
+        "up at least 1/RATE times), printed beside the exact curve with its error",
     )
     g.add_argument(
         "--target",
