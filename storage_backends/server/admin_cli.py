@@ -79,7 +79,7 @@ class AdminClient:
                 assert isinstance(reply, P.Reply)
                 return reply
 
-    def _hello(self) -> None:
+    def _hello(self, what: str) -> None:
         """Prove the admin token instead of sending it (protocol 7; an older server gets it
         as it is), and refuse a server that does not hold it."""
         self._said_hello = True
@@ -88,17 +88,22 @@ class AdminClient:
                                               client_nonce=client_nonce.hex()), "")
         if isinstance(reply, P.HelloReply):
             nonce = bytes.fromhex(reply.nonce) if len(reply.nonce) >= 32 else b""
+            if nonce and not reply.proof:  # the server checks no such token: it says so next
+                self._nonce = nonce
+                return
             if not nonce or not hmac.compare_digest(
                     reply.proof, P.server_proof(self.token, nonce, client_nonce)):
                 raise AdminError(f"{self.url} does not hold the admin token (its hello proof "
                                  "is wrong): not the server meant")
             self._nonce = nonce
         elif isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.UNAUTHORIZED:
-            raise AdminError(f"{self.url} refused the admin token: {reply.message}")
+            # The server does not know the token (its hello says so before `what` is sent).
+            raise AdminError(f"{self.url} refused {what}: {reply.code}: missing or wrong admin "
+                             "token")
 
     def call(self, req: P.Request, kind: type[R]) -> R:
         if not self._said_hello:
-            self._hello()
+            self._hello(req.TYPE)
         reply = self._exchange(req, self.token)
         if isinstance(reply, P.ErrorReply):
             hint = " (a server before protocol 6 has no admin API)" \

@@ -400,12 +400,14 @@ class HiCacheServer:
         tid, _, mac = text[len(P.PROOF_PREFIX):].partition(":")
         token = self._secret(tid)
         session = self._sessions.get(ident)
-        if token is None and self._auth_off and req.TYPE not in P.ADMIN_TYPES:
-            return ""  # no data token is checked here: the proof proves nothing needed
+        admin = req.TYPE in P.ADMIN_TYPES
+        if token is None and (self._admin_token is None if admin else self._auth_off):
+            return ""  # no such token is checked here (`_check_auth` says what is off)
         if token is None:
             self.counters["unauthorized"] += 1
-            raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, "missing or wrong auth token "
-                                  "(the proof names a token this server does not know)", rid)
+            raise P.ProtocolError(P.ErrorCode.UNAUTHORIZED, f"missing or wrong "
+                                  f"{'admin' if admin else 'auth'} token (the proof names a "
+                                  "token this server does not know)", rid)
         if session is None:
             raise P.ProtocolError(P.ErrorCode.HELLO, "no hello on this connection (the server "
                                   "restarted or forgot it): say hello again", rid)
