@@ -147,11 +147,17 @@ class Prompt:
     page_size: int
     extra_key: str | None
     engines: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    partition: str | None = None  # a tenant's partition (--tenants-file): its stored keys
 
     @property
     def keys(self) -> list[str]:
         seed = request_seed(bytes.fromhex(self.namespace), self.extra_key)
-        return [d.hex() for d in page_keys(self.ids, self.page_size, seed)]
+        keys = [d.hex() for d in page_keys(self.ids, self.page_size, seed)]
+        if self.partition is None:
+            return keys
+        from storage_backends.server.tenants import Tenant
+
+        return Tenant(self.partition, self.partition, frozenset()).keys(keys)
 
     @property
     def reusable_pages(self) -> int:
@@ -198,7 +204,7 @@ def resolve_prompt(a: argparse.Namespace) -> Prompt:
         ps = ps if ps is not None else first.get("page_size")
     if not ns or not ps:
         raise AdminError("a prompt's page keys need --engine URL, or --namespace and --page-size")
-    return Prompt(ids, ns, int(ps), _extra_key(a), engines)
+    return Prompt(ids, ns, int(ps), _extra_key(a), engines, getattr(a, "partition", None))
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -453,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engines' L3 namespace (64 hex)")
         sp.add_argument("--page-size", type=_positive_int("--page-size"),
                         help="the engines' page size (tokens)")
+        sp.add_argument("--partition", help="on a server with --tenants-file: the tenant's "
+                        "partition (its namespace in the file; by default the tenant's name) "
+                        "whose pages to look up, pin or unpin")
         sp.add_argument("--extra-key", help="the requests' extra_key")
         sp.add_argument("--cache-salt", help="the requests' cache_salt")
         sp.add_argument("--engine-api-key", default=argparse.SUPPRESS,

@@ -323,3 +323,36 @@ def test_plugins_pass_the_tenant_token_and_key_through(
         assert all(bytes(f)[:4] == b"HKVS" for f in reply.frames) and len(reply.frames) == 2
     finally:
         got.close()
+
+
+def test_admin_lookup_and_pins_by_partition(server: HiCacheServerProc,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from hicache.keys import page_keys, request_seed
+    from storage_backends.server.admin_cli import main as admin_main
+    from tests.storage_backends.conftest import make_codec
+
+    ids, page = list(range(1, 66)), 16  # 4 whole pages (the last token is never reused)
+    keys = [d.hex() for d in page_keys(ids, page, request_seed(NAMESPACE, None))]
+    c = make_codec(1000)
+    recs = [c.encode(k, bytes(1000)) for k in keys]
+    a = client_of(server.url, TOK_A)
+    try:
+        assert a.batch_set(keys, [memoryview(r) for r in recs]) == [True] * len(keys)
+    finally:
+        a.close()
+    base = ["--url", server.url, "--admin-token", ADMIN, "--json"]
+    prompt = ["--token-ids", ",".join(map(str, ids)), "--namespace", NAMESPACE.hex(),
+              "--page-size", str(page)]
+
+    def lookup(*extra: str) -> int:
+        capsys.readouterr()
+        assert admin_main([*base, "lookup", *prompt, *extra]) == 0
+        return int(json.loads(capsys.readouterr().out)["server"]["pages"])
+
+    assert lookup("--partition", "team-a") == 4
+    assert lookup("--partition", "team-b") == 0
+    assert lookup() == 0  # keys of no partition
+    assert admin_main([*base, "pin", *prompt, "--partition", "team-a"]) == 0
+    assert json.loads(capsys.readouterr().out)["pinned"] == 4
