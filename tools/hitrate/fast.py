@@ -361,10 +361,11 @@ class ArrayStack:
         for a in (self.tok_at, self.req_at, self.reuse_at):
             nz = np.flatnonzero(a)
             top = max(top, int(nz[-1]) + 1 if len(nz) else 1)
+        # views, not copies (the largest distance is often near the end); counts stay int32
+        # when they were; requests are summed on demand (no second cumulative array)
         self.tok_at, self.req_at, self.reuse_at = (
-            a[:top].astype(np.int64) for a in (self.tok_at, self.req_at, self.reuse_at))
+            a[:top] for a in (self.tok_at, self.req_at, self.reuse_at))
         self.cum_tok = np.cumsum(self.tok_at)
-        self.cum_req = np.cumsum(self.req_at)
 
     def _at(self, cum: np.ndarray, capacity_pages: float) -> int:
         if capacity_pages < 0:
@@ -376,7 +377,10 @@ class ArrayStack:
         return self._at(self.cum_tok, capacity_pages)
 
     def hit_requests(self, capacity_pages: float) -> int:
-        return self._at(self.cum_req, capacity_pages)
+        if capacity_pages < 0:
+            return 0
+        c = len(self.req_at) if math.isinf(capacity_pages) else int(capacity_pages) + 1
+        return int(self.req_at[:c].sum(dtype=np.int64))
 
     @property
     def unbounded_hit_tokens(self) -> int:
@@ -384,7 +388,7 @@ class ArrayStack:
 
     @property
     def unbounded_hit_requests(self) -> int:
-        return int(self.cum_req[-1])
+        return int(self.req_at.sum(dtype=np.int64))
 
     @property
     def saturation_pages(self) -> int:
@@ -393,7 +397,8 @@ class ArrayStack:
 
     def curve(self) -> tuple[list[int], list[int], list[int]]:
         ds = np.flatnonzero((self.tok_at != 0) | (self.req_at != 0))
-        return ds.tolist(), self.cum_tok[ds].tolist(), self.cum_req[ds].tolist()
+        cum_req = np.cumsum(self.req_at, dtype=np.int64)
+        return ds.tolist(), self.cum_tok[ds].tolist(), cum_req[ds].tolist()
 
     def capacity_for(self, hit_rate: float) -> int | None:
         need = hit_rate * self.input_tokens
