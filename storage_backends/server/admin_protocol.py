@@ -1,4 +1,5 @@
-"""Protocol version 6 of `hicache-server`: the admin API and the read leases' messages.
+"""Protocol version 6 of `hicache-server`: the admin API and the read leases' messages
+(`admin_pins` came with version 7: `protocol.py` encodes it at 7).
 
 `protocol.py` adds these to its codec. The `admin_*`, `pin` and `unpin` requests carry the
 admin token (`--admin-token`) in the `auth` field instead of the data path's token, and are

@@ -501,7 +501,8 @@ _SINCE: dict[str, int] = {
     for c in (ShmReserveRequest, ShmReserveReply, ShmCommitRequest, ShmCommitReply)
 } | {c.TYPE: 5 for c in (ClearNamespaceRequest, ClearNamespaceReply)} | {
     c.TYPE: A.VERSION for c in (*A.REQUESTS, *A.REPLIES)} | {
-    c.TYPE: 7 for c in (ReloadTenantsRequest, ReloadTenantsReply, HelloRequest, HelloReply)}
+    c.TYPE: 7 for c in (ReloadTenantsRequest, ReloadTenantsReply, HelloRequest, HelloReply,
+                        A.AdminPinsRequest, A.AdminPinsReply)}
 ADMIN_TYPES = A.ADMIN_TYPES | {ReloadTenantsRequest.TYPE}
 
 CODEC = Codec(REQUEST_TYPES, REPLY_TYPES, _SINCE, SUPPORTED_VERSIONS,

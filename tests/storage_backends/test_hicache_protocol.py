@@ -116,7 +116,8 @@ def test_header_carries_the_version_and_wire_names() -> None:
 def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     """Version-1 types stay version 1 on the wire (a version-1 peer reads them); the
     shared-memory region types say 2, the shared-memory store types 3, writes into it 4, the
-    namespace clear 5, the admin API and read leases 6, the tenants file's reload 7."""
+    namespace clear 5, the admin API and read leases 6, the tenants file's reload, the token
+    proofs and the pin list 7."""
     assert P.PROTOCOL_VERSION == 7
     v2 = {"attach_shm", "attach_shm_ok", "detach_shm", "detach_shm_ok", "shm_set", "shm_get",
           "shm_get_ok"}
@@ -125,7 +126,7 @@ def test_each_type_is_encoded_with_the_version_that_introduced_it() -> None:
     v5 = {"clear_namespace", "clear_namespace_ok"}
     for msg in SAMPLES:
         header = msgpack.unpackb(P.encode(msg)[0])
-        want = (7 if msg.TYPE.startswith(("reload_tenants", "hello"))
+        want = (7 if msg.TYPE.startswith(("reload_tenants", "hello", "admin_pins"))
                 else 6 if msg.TYPE.startswith(("admin_", "pin_ok", "unpin", "bind_", "shm_release"))
                 or msg.TYPE == "pin"
                 else 5 if msg.TYPE in v5 else 4 if msg.TYPE in v4 else 3 if msg.TYPE in v3
