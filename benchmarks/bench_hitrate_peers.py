@@ -65,7 +65,7 @@ def run_child(cmd: list[str], stdout: Path | None = None, cwd: Path = REPO) -> d
 
 def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, Any]:
     """The child process of our side: prints its answer as JSON."""
-    from tools.hitrate import fast
+    from tools.hitrate import fast, fast_replay
     from tools.hitrate.arrays import BlockSink
     from tools.hitrate.simulate import TierConfig, replay_arrays
     from tools.hitrate.traces import read_trace
@@ -80,10 +80,10 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     stack = fast.stack_distances(arrs, warmup=warmup)  # the one-pass curve (an upper bound)
     t_mrc = time.perf_counter() - t1
     t1 = time.perf_counter()
-    lru = fast.tree_lru(arrs, caps, warmup=warmup)  # HiRadixCache's own LRU, exact
+    lru = fast_replay.tree_lru(arrs, caps, warmup=warmup)  # HiRadixCache's own LRU, exact
     t_lru = time.perf_counter() - t1
     t1 = time.perf_counter()
-    opts = fast.belady(arrs, caps, warmup=warmup)
+    opts = fast_replay.belady(arrs, caps, warmup=warmup)
     t_opt = time.perf_counter() - t1
     n_in = stack.input_tokens
     doc: dict[str, Any] = {
@@ -99,7 +99,7 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
         # the list, counted over the whole trace, next to the compiled LRU's number.
         picks = caps[:: max(1, len(caps) // verify)][:verify]
         checks = []
-        for c, x in zip(picks, fast.tree_lru(arrs, picks)):
+        for c, x in zip(picks, fast_replay.tree_lru(arrs, picks)):
             t1 = time.perf_counter()
             sim = replay_arrays(arrs, TierConfig(page_size=BLOCK, device_pages=c))
             checks.append({"cacheBlocks": c, "exact_replay_hit_tokens": sim.hit_tokens,

@@ -14,7 +14,7 @@ import pytest
 
 from tests.tools.test_mrc import BS, random_reqs, trace_of
 from tests.tools.test_replay_modes import TIERS, block_trace, engine_trace
-from tools.hitrate import fast, mrc
+from tools.hitrate import fast, fast_replay, mrc
 from tools.hitrate.arrays import BlockSink, PageArrays, from_trace
 from tools.hitrate.pages import Layout
 from tools.hitrate.simulate import TierConfig, replay, replay_arrays
@@ -135,7 +135,7 @@ def test_fast_equals_reference_on_block_traces(tmp_path: Path, seed: int, order:
         assert fast.sharing(arrs) == mrc.sharing(paged, ps)
         biggest = max(len(p.pages) for p in paged)
         caps = [1, 2, biggest, biggest + 3, 2 * biggest, 60, 10_000]
-        assert fast.belady(arrs, caps) == [mrc.belady(paged, ps, c) for c in caps]
+        assert fast_replay.belady(arrs, caps) == [mrc.belady(paged, ps, c) for c in caps]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -147,7 +147,7 @@ def test_fast_equals_reference_on_token_traces(tmp_path: Path, seed: int) -> Non
         _compare_stack(arrs, paged, 4, "tree")
         assert fast.sharing(arrs) == mrc.sharing(paged, 4)
         caps = [3, 8, 20, 50, 400]
-        assert fast.belady(arrs, caps) == [mrc.belady(paged, 4, c) for c in caps]
+        assert fast_replay.belady(arrs, caps) == [mrc.belady(paged, 4, c) for c in caps]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -199,12 +199,12 @@ def test_fast_bounds_equal_exact_replay(tmp_path: Path, seed: int) -> None:
                                    load_back_threshold=0, prefetch_threshold=0))
     assert full.hit_tokens == tiered.hit_tokens == res.unbounded_hit_tokens
     assert tiered.storage_hit_tokens > 0 and tiered.host_hit_tokens > 0
-    assert fast.belady(arrs, [res.max_pages])[0].hit_tokens == res.unbounded_hit_tokens
+    assert fast_replay.belady(arrs, [res.max_pages])[0].hit_tokens == res.unbounded_hit_tokens
     for tiers in TIERS:
         real = replay_arrays(arrs, TierConfig(page_size=4, **tiers))
         cap = TierConfig(page_size=4, **tiers).total_pages()
         if cap != float("inf"):
-            assert real.hit_tokens <= fast.belady(arrs, [int(cap)])[0].hit_tokens
+            assert real.hit_tokens <= fast_replay.belady(arrs, [int(cap)])[0].hit_tokens
         assert real.hit_tokens <= res.unbounded_hit_tokens
 
 
@@ -212,10 +212,10 @@ def test_reference_trace_fast(mooncake_trace: Path) -> None:
     tr, arrs = streamed(mooncake_trace, 512)
     res = fast.stack_distances(arrs)
     assert res.unbounded_hit_tokens == 54_098_411 and res.input_tokens == 144_793_823
-    assert fast.belady(arrs, [res.max_pages])[0].hit_tokens == 54_098_411
+    assert fast_replay.belady(arrs, [res.max_pages])[0].hit_tokens == 54_098_411
     paged = Layout(read_trace(mooncake_trace), 512).all_paged()
     assert fast.sharing(arrs) == mrc.sharing(paged, 512)
-    assert fast.belady(arrs, [2000]) == [mrc.belady(paged, 512, 2000)]
+    assert fast_replay.belady(arrs, [2000]) == [mrc.belady(paged, 512, 2000)]
 
 
 @pytest.mark.parametrize("warmup", [0.25, 0.5])
@@ -231,8 +231,8 @@ def test_warmup_counts_only_the_measured_requests(tmp_path: Path, warmup: float)
         want = sum(min(4 * sum(1 for d in ds if d <= cap), int(arrs.input_len[r]))
                    for r, ds in enumerate(full.distances) if r >= start)
         assert warm.hit_tokens(cap) == want, cap
-        opt = fast.belady(arrs, [cap], warmup=warmup)[0]
-        paged_all = fast.belady(arrs, [cap])[0]
+        opt = fast_replay.belady(arrs, [cap], warmup=warmup)[0]
+        paged_all = fast_replay.belady(arrs, [cap])[0]
         assert opt.hit_tokens <= paged_all.hit_tokens
     with pytest.raises(ValueError, match="warm-up"):
         fast.stack_distances(arrs, warmup=1.0)
@@ -271,7 +271,7 @@ def test_tree_lru_equals_exact_replay(tmp_path: Path, seed: int) -> None:
         biggest = int(np.diff(arrs.offsets).max())
         caps = sorted({1, 2, biggest // 2 or 1, biggest, biggest + 1, 2 * biggest, 3 * biggest,
                        50, 120, 400, 2000})
-        got = fast.tree_lru(arrs, caps, threads=2)
+        got = fast_replay.tree_lru(arrs, caps, threads=2)
         for c, g in zip(caps, got):
             real = replay_arrays(arrs, TierConfig(page_size=ps, device_pages=c))
             assert (g.hit_tokens, g.hit_requests) == (real.hit_tokens, real.hit_requests), (ps, c)
@@ -282,10 +282,10 @@ def test_tree_lru_equals_exact_replay(tmp_path: Path, seed: int) -> None:
 
 def test_tree_lru_on_the_reference_trace(mooncake_trace: Path) -> None:
     _, arrs = streamed(mooncake_trace, 512)
-    for c, g in zip((1024, 4096), fast.tree_lru(arrs, [1024, 4096])):
+    for c, g in zip((1024, 4096), fast_replay.tree_lru(arrs, [1024, 4096])):
         real = replay_arrays(arrs, TierConfig(page_size=512, device_pages=c))
         assert (g.hit_tokens, g.hit_requests) == (real.hit_tokens, real.hit_requests)
-    assert fast.tree_lru(arrs, [4096])[0].hit_tokens == 12_878_070
+    assert fast_replay.tree_lru(arrs, [4096])[0].hit_tokens == 12_878_070
 
 
 def test_sampled_curve_at_rate_one_is_the_exact_curve(tmp_path: Path) -> None:

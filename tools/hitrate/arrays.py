@@ -106,14 +106,14 @@ class BlockSink:
         the unique tail token and the output come next on the path, numbered upwards from
         `(num_blocks + 1) * per_block` in request order. LMCache logs are put in timestamp order
         (stable), as `read_trace` does."""
-        from tools.hitrate import fast
+        from tools.hitrate import layout_kernels
 
         Layout(trace, page_size)  # the same checks (page size divides the block size, ...)
         bs = trace.block_size or 0
         m = bs // page_size
         # numbered in place, in the sink's own buffer (no copy of the references)
         blocks = np.frombuffer(self.blocks, np.int64) if len(self.blocks) else np.zeros(0, np.int64)
-        num_blocks = fast.dense_in_place(blocks)
+        num_blocks = layout_kernels.dense_in_place(blocks)
         nb = _np(self.n_blocks, np.int64)
         inp = _np(self.input_len, np.int64)
         out = _np(self.output_len, np.int64)
@@ -121,11 +121,11 @@ class BlockSink:
         np.cumsum(nb, out=boff[1:])
         if trace.format == "lmcache":
             order = np.argsort(_np(self.ts, np.float64), kind="stable")
-            blocks, boff = fast.gather_segments(blocks, boff, order)
+            blocks, boff = layout_kernels.gather_segments(blocks, boff, order)
             inp, out = inp[order], out[order]
         n_extra = (1 + (np.zeros_like(out) if ignore_output else out)) // page_size
         base = (num_blocks + 1) * m
-        pages, offsets, num_pages = fast.block_paths(blocks, boff, m, n_extra, base)
+        pages, offsets, num_pages = layout_kernels.block_paths(blocks, boff, m, n_extra, base)
         del blocks
         self.blocks = array("q")
         return PageArrays(pages, offsets, np.diff(boff) * m, inp, out, page_size, num_pages)

@@ -1,0 +1,204 @@
+"""The command line of `hicache-hitrate`: every flag, its default and its help text
+(docs/hitrate.md's table describes the same flags; a test checks both list every one)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tools.hitrate.traces import MAX_LINE_BYTES, MAX_REQUEST_TOKENS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hicache-hitrate",
+        description="Cache hit-rate analysis: replays a request trace through HiCache's real "
+        "HiRadixCache in simulated mode (device / host / storage tiers), with the unbounded "
+        "bound, Belady's offline optimum, an LRU miss-ratio curve, reuse distances and prefix "
+        "sharing. Sizes: tokens (4096, 2M), pages (64p), bytes (2GiB, 500MB) or 'unbounded'.",
+    )
+    p.add_argument("trace", metavar="TRACE", help="trace file (JSON lines), or a directory of them")
+    g = p.add_argument_group("trace")
+    g.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "mooncake", "lmcache", "engine", "chat", "completion"],
+        help="trace format (default: detected from the first valid line)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens per hash_id block in mooncake traces (default 512; lmcache logs "
+        "carry their own chunk_size)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="Hugging Face tokenizer directory for chat / completion traces",
+    )
+    g.add_argument("--limit", type=int, metavar="N", help="read only the first N requests")
+    g.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip malformed lines (counted and reported) instead of stopping",
+    )
+    g.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=MAX_REQUEST_TOKENS,
+        metavar="N",
+        help="bound on every input and output length of a request (and so on its block "
+        f"count); a line over it is a bad line (default {MAX_REQUEST_TOKENS:,})",
+    )
+    g.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"bound on the length of one trace line (default {MAX_LINE_BYTES:,})",
+    )
+    g.add_argument(
+        "--ignore-output",
+        action="store_true",
+        help="do not insert output tokens into the cache after each request",
+    )
+    g = p.add_argument_group("cache")
+    g.add_argument(
+        "--page-size",
+        type=int,
+        metavar="TOKENS",
+        help="tokens per page (default: the block size for block traces, else 32); "
+        "must divide the block size",
+    )
+    g.add_argument(
+        "--device",
+        default="unbounded",
+        metavar="SIZE",
+        help="device (L1) capacity (default unbounded)",
+    )
+    g.add_argument(
+        "--host",
+        default="0",
+        metavar="SIZE",
+        help="host memory (L2) capacity (default 0: no host tier)",
+    )
+    g.add_argument(
+        "--storage",
+        default="0",
+        metavar="SIZE",
+        help="storage (L3) capacity, or 'unbounded' (default 0: no storage tier)",
+    )
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=float,
+        metavar="N",
+        help="KV bytes per token, to read byte sizes",
+    )
+    g.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="HF checkpoint directory: kv bytes per token = 2 * layers * kv_heads * "
+        "head_dim * dtype bytes from its config.json",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        metavar="DTYPE",
+        help="KV dtype for --model-path (default: the checkpoint's torch_dtype)",
+    )
+    g.add_argument(
+        "--eviction-policy",
+        default="lru",
+        metavar="NAME",
+        help="lru, lfu, slru, priority, fifo, mru (default lru)",
+    )
+    g.add_argument(
+        "--eviction-policy-config",
+        default="{}",
+        metavar="JSON",
+        help="eviction policy config, e.g. '{\"protected_threshold\": 3}'",
+    )
+    g.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+        help="device -> host write policy (default write_through)",
+    )
+    g.add_argument(
+        "--prefetch-policy",
+        default="best_effort",
+        choices=["best_effort", "wait_complete", "timeout"],
+        help="storage prefetch policy (default best_effort)",
+    )
+    g.add_argument(
+        "--prefetch-threshold",
+        type=int,
+        metavar="TOKENS",
+        help="smallest storage prefetch started (default: HiCacheConfig's, 256)",
+    )
+    g.add_argument(
+        "--load-back-threshold",
+        type=int,
+        metavar="TOKENS",
+        help="smallest host -> device load-back (default: HiCacheConfig's, 10)",
+    )
+    g = p.add_argument_group("analyses")
+    g.add_argument(
+        "--mrc",
+        action="store_true",
+        help="LRU miss-ratio curve over capacities, in one pass (stack distances)",
+    )
+    g.add_argument(
+        "--mrc-points",
+        type=int,
+        default=32,
+        metavar="N",
+        help="points of the curve (default 32, log-spaced)",
+    )
+    g.add_argument(
+        "--sample",
+        type=float,
+        metavar="RATE",
+        help="with --mrc: also estimate the curve from a spatial sample of pages (SHARDS: "
+        "pages whose id hash falls in RATE of the hash space, e.g. 0.01, plus every page looked "
+        "up at least 1/RATE times), printed beside the exact curve with its error",
+    )
+    g.add_argument(
+        "--target",
+        type=float,
+        metavar="RATE",
+        help="with --mrc: the capacity needed for this token hit rate (e.g. 0.3); "
+        "also reported as a fraction of the unbounded bound",
+    )
+    g.add_argument("--no-opt", action="store_true", help="skip Belady's optimum")
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        metavar="N",
+        help="prefill throughput, to estimate the TTFT saved",
+    )
+    g.add_argument(
+        "--host-bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="host -> device bandwidth for the TTFT estimate",
+    )
+    g.add_argument(
+        "--storage-bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="storage -> device bandwidth for the TTFT estimate",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the JSON document instead of tables")
+    g.add_argument("--plot", metavar="PNG", help="write MRC, tier breakdown and reuse distances")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--replay-mode",
+        choices=("pages", "tokens"),
+        default="pages",
+        help="how requests reach HiRadixCache: 'pages' (page ids at page size 1, fast) or "
+        "'tokens' (token lists at --page-size); both give identical results",
+    )
+    g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
