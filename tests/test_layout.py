@@ -1,5 +1,6 @@
 """The project's shape, checked: no import circle anywhere in the five packages (imports under
-TYPE_CHECKING and inside functions count), and no module over 500 lines."""
+TYPE_CHECKING and inside functions count), and no module past a generous ceiling (900 lines)
+unless an allowlist says why."""
 
 from __future__ import annotations
 
@@ -57,8 +58,23 @@ def test_no_import_circle() -> None:
             visit(m, [])
 
 
-def test_no_module_over_500_lines() -> None:
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
-             for p in _modules().values()}
+# A module holds one concept whole; it is split where concepts part, never to meet a count. Past
+# this ceiling a module is very likely two concepts: the test names it, with the ten largest, so
+# the split is a decision someone makes on purpose. An exception names its reason here.
+CEILING = 900
+OVER_CEILING: dict[str, str] = {}
+
+
+def module_sizes() -> dict[str, int]:
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+            for p in _modules().values()}
+
+
+def test_no_module_past_the_ceiling() -> None:
+    sizes = module_sizes()
     assert len(sizes) > 50
-    assert {n: k for n, k in sizes.items() if k > 500} == {}
+    largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:10]
+    over = {n: k for n, k in sizes.items() if k > CEILING and n not in OVER_CEILING}
+    assert over == {}, f"modules past {CEILING} lines: {over}; the largest: {largest}"
+    # An allowlisted module that has come back under the ceiling leaves the list.
+    assert {n for n in OVER_CEILING if sizes.get(n, 0) <= CEILING} == set()

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from storage_backends.server.admin import namespace_rows
+from storage_backends.server.admin import NamespaceCounters, Pins, namespace_rows
 from storage_backends.server.store import PageStore, WriteBehind
-
-if TYPE_CHECKING:
-    from storage_backends.server.tiers import Tiers
 
 
 class _Config(Protocol):
     @property
     def capacity_bytes(self) -> int: ...
+
+
+class TierView(Protocol):
+    """What the metrics read of a server's `Tiers` (no import of tiers.py, which counts into
+    `Metrics`: no circle)."""
+
+    store: PageStore
+    persist: WriteBehind | None
+    pins: Pins
+    namespaces: NamespaceCounters
+    disk_hits: int
+
+    def pinned_bytes(self, keys: Any = None) -> int: ...
+
+    def disk_namespaces(self) -> dict[str, tuple[int, int]]: ...
 
 
 class Observed(Protocol):
@@ -33,14 +45,14 @@ class Observed(Protocol):
     def connected_clients(self) -> int: ...
 
     @property
-    def tiers(self) -> Tiers: ...
+    def tiers(self) -> TierView: ...
 
 
 class NamespaceCollector:
     """`hicache_server_namespace_pages` / `_bytes` {namespace, tier=memory|disk}, read at each
     scrape (memory: the store's map; disk: the persisted files' index, each header read once)."""
 
-    def __init__(self, tiers: Tiers) -> None:
+    def __init__(self, tiers: TierView) -> None:
         self.tiers = tiers
 
     def collect(self) -> Iterator[Any]:
