@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.errors import ConfigError, HiCacheError
+from tools.hitrate import catalog
 from tools.hitrate.options import build_parser
 from tools.hitrate.sizes import kv_bytes_from_model, parse_size, to_pages
 from tools.hitrate.traces import Limits
@@ -25,6 +26,21 @@ logger = logging.getLogger(__name__)
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
+
+
+def kv_bytes_option(args: argparse.Namespace) -> float | None:
+    """KV bytes per token from --kv-bytes-per-token, --model or --model-path (at most one)."""
+    given = [f for f in ("kv_bytes_per_token", "model", "model_path") if getattr(args, f, None)]
+    if len(given) > 1:
+        flags = " and ".join("--" + f.replace("_", "-") for f in given)
+        raise ConfigError(f"{flags} both give the KV bytes per token: pass one")
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+    if args.model:
+        return catalog.kv_bytes_per_token(args.model, args.kv_dtype, args.tp)
+    if args.model_path:
+        return kv_bytes_from_model(args.model_path, args.kv_dtype, args.tp)
+    return args.kv_bytes_per_token
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,9 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--sample must be a rate in (0, 1], got {args.sample}")
     specs = {f: parse_size(getattr(args, f)) for f in ("device", "host", "storage")}
 
-    kvb = args.kv_bytes_per_token
-    if kvb is None and args.model_path:  # before a long read: a wrong path fails at once
-        kvb = kv_bytes_from_model(args.model_path, args.kv_dtype)
+    kvb = kv_bytes_option(args)  # before a long read: a wrong name or path fails at once
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     # Block traces stream into arrays (no Request kept per line) unless tokens are replayed.
@@ -243,6 +257,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "host_bytes": cap_bytes(tiers.host_pages),
             "storage_bytes": cap_bytes(tiers.storage_pages),
             "kv_bytes_per_token": kvb,
+            "model": args.model or args.model_path,
+            "kv_dtype": args.kv_dtype,
+            "tp": args.tp,
             "eviction_policy": args.eviction_policy,
             "eviction_config": ev_cfg,
             "write_policy": args.write_policy,

@@ -99,12 +99,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         metavar="DIR",
         help="HF checkpoint directory: kv bytes per token = 2 * layers * kv_heads * "
-        "head_dim * dtype bytes from its config.json",
+        "head_dim * dtype bytes from its config.json (MLA: layers * (kv_lora_rank + "
+        "qk_rope_head_dim) * dtype bytes)",
+    )
+    g.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a model from the catalog (tools/hitrate/catalog.py: llama-3.1-8b, qwen3-32b, "
+        "deepseek-v3, kimi-k2, gemma-3-27b, gpt-oss-120b, glm-4.5, ...): its KV bytes per "
+        "token at --kv-dtype and --tp; an unknown name lists the known ones",
     )
     g.add_argument(
         "--kv-dtype",
         metavar="DTYPE",
-        help="KV dtype for --model-path (default: the checkpoint's torch_dtype)",
+        help="KV dtype: bf16, fp8 or fp4 with --model (default bf16); with --model-path also "
+        "torch names such as float16 (default: the checkpoint's torch_dtype)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size for --model / --model-path: sizes are per rank, each rank "
+        "keeping kv_heads / N KV heads (one, replicated, when kv_heads < N; MLA's latent is "
+        "replicated on every rank) (default 1)",
     )
     g.add_argument(
         "--eviction-policy",

@@ -37,7 +37,8 @@ def to_pages(
         return int(v // page_size)
     if not kv_bytes_per_token:
         raise ConfigError(
-            f"{flag} is given in bytes: pass --kv-bytes-per-token N or --model-path DIR "
+            f"{flag} is given in bytes: pass --kv-bytes-per-token N, --model NAME or "
+            "--model-path DIR "
             "(or use tokens / pages)"
         )
     return int(v / kv_bytes_per_token // page_size)
@@ -51,14 +52,15 @@ FLOAT_DTYPE_BYTES = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
-_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "fp8": 1, "int8": 1}
+_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
-def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
+def kv_bytes_from_model(path: str, kv_dtype: str | None = None, tp: int = 1) -> float:
     """KV bytes per token from a HF checkpoint's config.json (`path`: the directory, the file,
     or a model name `resolve_model_path` knows, e.g. hicache-demo): 2 * layers * kv_heads *
     head_dim * dtype bytes, or for MLA checkpoints (DeepSeek-V2/V3: `kv_lora_rank` set) one latent per
-    layer, layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes."""
+    layer, layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes. Per rank under `tp`-way
+    tensor parallelism: kv_heads / tp heads (one when kv_heads < tp); the MLA latent whole."""
     from engine.demo_model import resolve_model_path
 
     path = str(resolve_model_path(path))  # a demo name, or a path that must exist
@@ -86,4 +88,7 @@ def kv_bytes_from_model(path: str, kv_dtype: str | None = None) -> float:
     if cfg.get("kv_lora_rank"):  # MLA: one latent [kv_c | k_pe] per token and layer
         latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
         return float(units.kv_bytes_per_token(layers, 1, latent, _DTYPE_BYTES[dtype], mla=True))
+    if tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {tp}")
+    kv_heads = max(1, kv_heads // tp)  # fewer KV heads than ranks: replicated
     return float(units.kv_bytes_per_token(layers, kv_heads, head_dim, _DTYPE_BYTES[dtype]))
