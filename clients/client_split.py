@@ -26,8 +26,8 @@ CLIENT_MODULES: dict[str, tuple[str, ...] | None] = {
         "registry",
     ),
     "storage_backends": (
-        "__init__", "common", "hicache_backend", "hicache_conn", "hicache_seal", "hicache_shm",
-        "hicache_store",
+        "__init__", "common", "hicache_backend", "hicache_conn", "hicache_identity", "hicache_seal",
+        "hicache_shm", "hicache_store",
     ),
     "storage_backends.server": (
         "__init__", "admin_protocol", "arena", "malloc", "protocol", "shm", "wire",

@@ -30,6 +30,11 @@ key              meaning                                           default
                  a server before protocol 7 gets the token as it
                  is. ``required``: refuse such a server. ``off``:
                  send the token as it is
+``server_``      the server's Ed25519 public key (64 hex characters  none (the server is
+``public_key``   or the path of its FILE.pub / a PEM file): refuse  not checked by key)
+                 a server whose hello is not signed by it (its
+                 --server-key), at start-up (env
+                 ``HICACHE_SERVER_PUBLIC_KEY``)
 ``encryption_``  64 hex characters: seal every record with         none (records in the
 ``key``          AES-256-GCM under this key (hicache_seal); the    clear)
                  server stores and serves ciphertext. Every client
@@ -99,8 +104,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
-              "shm", "shm_bytes", "shm_populate", "encryption_key", "token_proof")
+              "shm", "shm_bytes", "shm_populate", "encryption_key", "token_proof",
+              "server_public_key")
 ENCRYPTION_ENV = "HICACHE_SERVER_ENCRYPTION_KEY"
+SERVER_KEY_ENV = "HICACHE_SERVER_PUBLIC_KEY"
 DEFAULT_URL = "tcp://127.0.0.1:7480"
 _ABSENT = Checked(-1, None)
 
@@ -141,10 +148,16 @@ class HiCacheServerBackend(StorageBackend):
         if proof not in ("auto", "required", "off"):
             raise ConfigError(f"hicache backend: token_proof must be auto, required or off, "
                               f"got {proof!r}")
+        pinned = setting(config, "server_public_key", "", env=SERVER_KEY_ENV, cast=str)
+        server_key = None
+        if pinned:
+            from storage_backends.hicache_identity import parse_public_key
+
+            server_key = parse_public_key(pinned, "hicache backend: server_public_key")
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
                                  shm_bytes=self.shm_bytes, namespace=self._namespace,
                                  populate=setting(config, "shm_populate", True),
-                                 token_proof=proof)
+                                 token_proof=proof, server_key=server_key)
         self._warned: set[str] = set()
         self.max_frame_bytes = 0  # the server's limit, learnt from ping (0: unknown)
         self._probe()

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -28,6 +29,9 @@ from storage_backends.hicache_shm import (
 from storage_backends.hicache_store import StoreAccess, StoreMap
 from storage_backends.server import protocol as P
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,7 +41,7 @@ class Connections:
 
     def __init__(self, url: str, token: str, timeout_ms: int, *, shm: bool,
                  shm_bytes: int, populate: bool = True, namespace: bytes = b"",
-                 token_proof: str = "auto") -> None:
+                 token_proof: str = "auto", server_key: Ed25519PublicKey | None = None) -> None:
         self.url = url
         self.namespace = namespace  # declared on each connection (the server's stats)
         self.timeout_ms = timeout_ms
@@ -52,6 +56,7 @@ class Connections:
         self._pool: list[Conn] = []
         self._lock = threading.Lock()
         self._wire = Wire(url, token, timeout_ms, token_proof=token_proof)
+        self.server_key = server_key  # the pinned server key: its hello must be signed by it
         self._plain_logged = False
 
     def _checkout(self) -> Conn:
@@ -67,7 +72,7 @@ class Connections:
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         s.connect(self.url)
         conn = Conn(s, self._wire)
-        if self._wire.token and self._wire.token_proof != "off":
+        if (self._wire.token and self._wire.token_proof != "off") or self.server_key is not None:
             try:
                 self._hello(conn)
             except BaseException:
@@ -89,18 +94,24 @@ class Connections:
 
     def _hello(self, conn: Conn) -> None:
         """Start token proofs on `conn`: the server gives it a nonce and proves it holds our
-        token. Raises `StorageError` for a server that does not know the token or whose proof
-        is wrong; a server before protocol 7 gets the token as it is (unless `token_proof` is
-        "required": then `StorageError`)."""
+        token (and, with a pinned `server_key`, signs the hello with its key). Raises
+        `StorageError` for a server that does not know the token, whose proof is wrong, or
+        whose signature does not verify; a server before protocol 7 gets the token as it is
+        (unless `token_proof` is "required" or a server key is pinned: then `StorageError`)."""
         w = self._wire
         client_nonce = os.urandom(32)
-        req = P.HelloRequest(token_id=P.token_id(w.token), client_nonce=client_nonce.hex())
+        tid = P.token_id(w.token) if w.token else ""
+        req = P.HelloRequest(token_id=tid, client_nonce=client_nonce.hex())
         reply = conn.exchange([req])[0]
         if isinstance(reply, P.HelloReply):
             try:
                 nonce = bytes.fromhex(reply.nonce)
             except ValueError:
                 nonce = b""
+            if self.server_key is not None:
+                self._check_signature(reply, tid, client_nonce, nonce)
+            if not w.token or w.token_proof == "off":
+                return  # said hello for the server key only: no token to prove
             if len(nonce) >= 16 and reply.proof == "" and w.token_proof != "required":
                 # The server checks no token (its auth is off): ours is not needed there.
                 if not self._plain_logged:
@@ -119,6 +130,9 @@ class Connections:
             raise StorageError(f"{self.url} answered {reply.TYPE} to hello")
         if reply.code not in (P.ErrorCode.BAD_VERSION, P.ErrorCode.UNKNOWN_TYPE):
             raise StorageError(f"{self.url} answered {reply.code}: {reply.message}")
+        if self.server_key is not None:
+            raise StorageError(f"{self.url} predates server keys (protocol 7) and "
+                               "server_public_key is set: refused")
         if w.token_proof == "required":
             raise StorageError(f"{self.url} predates token proofs (protocol 7) and token_proof "
                                "is 'required': the token is not sent as it is")
@@ -126,6 +140,21 @@ class Connections:
             self._plain_logged = True
             logger.warning("hicache backend: %s predates token proofs (protocol 7): the auth "
                            "token goes as it is", self.url)
+
+    def _check_signature(self, reply: P.HelloReply, tid: str, client_nonce: bytes,
+                         nonce: bytes) -> None:
+        """Refuse a hello reply not signed by the pinned server key."""
+        from storage_backends import hicache_identity as identity
+
+        assert self.server_key is not None
+        if not reply.signature:
+            raise StorageError(f"{self.url} holds no server key (started without --server-key) "
+                               "and server_public_key is set: not the server configured")
+        data = identity.transcript(tid, client_nonce, nonce, reply.proof)
+        if len(nonce) < 16 or not identity.verify(self.server_key, reply.signature, data):
+            raise StorageError(f"{self.url} does not hold the server key of server_public_key "
+                               "(its hello signature does not verify): not the server "
+                               "configured")
 
     def _bind(self, conn: Conn) -> None:
         """Tell the server this connection's namespace (it counts our misses there); a server

@@ -31,7 +31,8 @@ PREFIX = "remote_storage_plugin."
 
 # Settings handed to `HiCacheServerBackend` as they are (see docs/hicache-server.md).
 BACKEND_KEYS = ("auth_token", "timeout_ms", "batch_keys", "batch_bytes", "shm", "shm_bytes",
-                "shm_populate", "tune_malloc", "encryption_key", "token_proof")
+                "shm_populate", "tune_malloc", "encryption_key", "token_proof",
+                "server_public_key")
 # Settings of the connector itself.
 CONNECTOR_KEYS = ("url", "batch_chunks", "list_limit")
 # Keys of the plugin prefix that LMCache itself reads.

@@ -30,7 +30,8 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "all
                "tp_lcm_size")
 # Passed as they are to `HiCacheServerBackend` (see docs/hicache-server.md, client settings).
 CLIENT_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
-               "shm", "shm_bytes", "shm_populate", "encryption_key", "token_proof")
+               "shm", "shm_bytes", "shm_populate", "encryption_key", "token_proof",
+               "server_public_key")
 # The plugin's own.
 PLUGIN_KEYS = ("model_id", "namespace_salt", "stage_bytes")
 DEFAULT_STAGE_BYTES = 64 << 20

@@ -42,6 +42,7 @@ from storage_backends.server.cli import ADMIN_ENV, DEFAULT_PORT
 R = TypeVar("R", bound=P.Reply)
 URL_ENV = "HICACHE_SERVER_URL"
 ENGINE_KEY_ENV = "HICACHE_ENGINE_API_KEY"
+SERVER_KEY_ENV = "HICACHE_SERVER_PUBLIC_KEY"
 
 
 class AdminError(Exception):
@@ -51,8 +52,18 @@ class AdminError(Exception):
 class AdminClient:
     """One DEALER socket to a server's admin API."""
 
-    def __init__(self, url: str, token: str, timeout_ms: int = 5000) -> None:
+    def __init__(self, url: str, token: str, timeout_ms: int = 5000,
+                 server_key: str | None = None) -> None:
         self.url, self.token, self.timeout_ms = url, token, timeout_ms
+        self._server_key = None  # Ed25519PublicKey the server's hello must be signed by
+        if server_key:
+            from hicache.errors import ConfigError
+            from storage_backends.hicache_identity import parse_public_key
+
+            try:
+                self._server_key = parse_public_key(server_key, "--server-public-key")
+            except ConfigError as e:
+                raise AdminError(str(e)) from None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -88,6 +99,8 @@ class AdminClient:
                                               client_nonce=client_nonce.hex()), "")
         if isinstance(reply, P.HelloReply):
             nonce = bytes.fromhex(reply.nonce) if len(reply.nonce) >= 32 else b""
+            if self._server_key is not None:
+                self._check_signature(reply, client_nonce, nonce)
             if nonce and not reply.proof:  # the server checks no such token: it says so next
                 self._nonce = nonce
                 return
@@ -100,6 +113,21 @@ class AdminClient:
             # The server does not know the token (its hello says so before `what` is sent).
             raise AdminError(f"{self.url} refused {what}: {reply.code}: missing or wrong admin "
                              "token")
+        elif self._server_key is not None:
+            raise AdminError(f"{self.url} answered no signed hello (a server before protocol 7) "
+                             "and --server-public-key is set: refused")
+
+    def _check_signature(self, reply: P.HelloReply, client_nonce: bytes, nonce: bytes) -> None:
+        from storage_backends import hicache_identity as identity
+
+        assert self._server_key is not None
+        if not reply.signature:
+            raise AdminError(f"{self.url} holds no server key (started without --server-key) "
+                             "and --server-public-key is set: not the server meant")
+        data = identity.transcript(P.token_id(self.token), client_nonce, nonce, reply.proof)
+        if not nonce or not identity.verify(self._server_key, reply.signature, data):
+            raise AdminError(f"{self.url} does not hold the key of --server-public-key (its "
+                             "hello signature does not verify): not the server meant")
 
     def call(self, req: P.Request, kind: type[R]) -> R:
         if not self._said_hello:
@@ -440,6 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--admin-token", default=None,
                    help=f"the server's --admin-token (default: env {ADMIN_ENV})")
+    p.add_argument("--server-public-key", default=os.environ.get(SERVER_KEY_ENV),
+                   help="the server's public key (64 hex characters, or its FILE.pub): refuse "
+                        "a server whose hello is not signed by its --server-key (default: env "
+                        f"{SERVER_KEY_ENV}; unset = not checked)")
     p.add_argument("--engine-api-key", default=os.environ.get(ENGINE_KEY_ENV),
                    help=f"the engines' --api-key, sent to --engine URLs (default: env "
                         f"{ENGINE_KEY_ENV})")
@@ -501,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     run, show = COMMANDS[a.command]
     try:
-        client = AdminClient(a.url, token, a.timeout_ms)
+        client = AdminClient(a.url, token, a.timeout_ms, a.server_public_key)
         try:
             out = run(client, a)
         finally:

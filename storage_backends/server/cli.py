@@ -49,6 +49,7 @@ class ServerConfig:
     read_lease_ms: int = 10_000  # how long a record located for a read in place is held
     tenants_file: str | None = None  # None: one shared token (--auth-token) or none
     require_token_proof: bool = False  # refuse tokens sent as they are (protocol 7 proofs only)
+    server_key: str | None = None  # private key file: signs hello replies (clients pin its public)
 
     @property
     def arena_bytes(self) -> int:
@@ -80,6 +81,26 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
     if args.tenants_file is not None and token is not None:
         parser.error(f"--tenants-file and --auth-token (or {AUTH_ENV}) exclude each other: "
                      "with a tenants file every data token is a tenant's")
+    if args.generate_server_key is not None:
+        from hicache.errors import ConfigError
+        from storage_backends.hicache_identity import generate_key_file
+
+        try:
+            pub = generate_key_file(args.generate_server_key)
+        except ConfigError as e:
+            parser.error(str(e))
+        print(pub)  # stdout: the public key alone (PUB=$(hicache-server --generate-...))
+        parser.exit(0, f"wrote {args.generate_server_key} (private, mode 600) and "
+                    f"{args.generate_server_key}.pub (the public key, printed above: clients "
+                    "pin it as server_public_key)\n")
+    if args.server_key is not None:
+        from hicache.errors import ConfigError
+        from storage_backends.hicache_identity import load_private_key
+
+        try:
+            load_private_key(args.server_key)
+        except ConfigError as e:
+            parser.error(str(e))
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -102,6 +123,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         read_lease_ms=args.read_lease_ms,
         tenants_file=args.tenants_file,
         require_token_proof=args.require_token_proof,
+        server_key=args.server_key,
     )
     return config, args.log_level
 
@@ -186,6 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse requests that carry their token as it is: clients of protocol 7 prove "
         "their token (an HMAC over a nonce of their connection, `hello`) and never send it; "
         "older clients are refused with an error saying so. Default: both are taken",
+    )
+    p.add_argument(
+        "--server-key",
+        default=None,
+        metavar="FILE",
+        help="the server's Ed25519 private key (PEM, mode 600: a file group or others can read "
+        "is refused): every hello reply is signed with it, and clients given its public key "
+        "(server_public_key, hicache-admin --server-public-key) refuse a server that does not "
+        "hold it. Make one with --generate-server-key. Default: no key (hello replies unsigned)",
+    )
+    p.add_argument(
+        "--generate-server-key",
+        default=None,
+        metavar="FILE",
+        help="write a new server key to FILE (mode 600; an existing file is refused) and its "
+        "public key to FILE.pub, print the public key (64 hex characters) on stdout, and exit",
     )
     p.add_argument(
         "--admin-token",

@@ -390,11 +390,14 @@ class HelloRequest(Request):
 @dataclass
 class HelloReply(Reply):
     """`nonce` (hex): what every later request's proof covers (`request_proof`); `proof`:
-    `server_proof(token, nonce, client_nonce)`, which only a server holding the token makes."""
+    `server_proof(token, nonce, client_nonce)`, which only a server holding the token makes;
+    `signature` (hex): the server key's Ed25519 signature over the hello's transcript
+    (`storage_backends.hicache_identity.transcript`), "" for a server without --server-key."""
 
     TYPE: ClassVar[str] = "hello_ok"
     nonce: str = ""
     proof: str = ""
+    signature: str = ""
 
 
 # The `token` field of a request that proves its token instead of carrying it:

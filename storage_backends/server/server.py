@@ -76,6 +76,11 @@ class HiCacheServer:
         self._admin_token = config.admin_token.encode() if config.admin_token else None
         self.tenants = (Tenants(config.tenants_file, config.admin_token)
                         if config.tenants_file else None)
+        self._server_key = None  # Ed25519PrivateKey: signs hello replies (--server-key)
+        if config.server_key:
+            from storage_backends.hicache_identity import load_private_key
+
+            self._server_key = load_private_key(config.server_key)
         self._reload_asked = threading.Event()  # SIGHUP: reload the tenants file in the loop
         # Per connection that said hello: [its nonce, the last request id it proved].
         self._sessions: OrderedDict[bytes, list[Any]] = OrderedDict()
@@ -379,9 +384,14 @@ class HiCacheServer:
             self._sessions.popitem(last=False)
         # NOTE: a server that checks no data token (no --auth-token, no tenants) proves none:
         # an empty proof tells the client so (its token is not needed here).
-        return P.HelloReply(request_id=rid, nonce=nonce.hex(),
-                            proof="" if token is None else P.server_proof(token, nonce,
-                                                                          client_nonce))
+        proof = "" if token is None else P.server_proof(token, nonce, client_nonce)
+        signature = ""
+        if self._server_key is not None:
+            from storage_backends import hicache_identity as identity
+
+            signature = identity.sign(self._server_key, identity.transcript(
+                req.token_id, client_nonce, nonce, proof))
+        return P.HelloReply(request_id=rid, nonce=nonce.hex(), proof=proof, signature=signature)
 
     def _token_of(self, req: P.Request, ident: bytes, again: bool) -> str:
         """The token `req` carries, or proves (`P.request_proof` over this connection's hello

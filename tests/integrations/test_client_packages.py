@@ -56,7 +56,8 @@ OURS = ("hicache", "storage_backends", "integrations", "engine", "tools")
 # Third-party imports a client module may make: its declared dependencies everywhere; the host
 # engine's packages in the plugin that runs inside it.
 DIST_OF = {"zmq": "pyzmq", "msgpack": "msgpack", "xxhash": "xxhash"}
-# Imports only a module behind an extra makes (hicache-client[encryption]: hicache_seal).
+# Imports only a module behind an extra makes (hicache-client[encryption]: hicache_seal,
+# hicache_identity).
 EXTRA_OF = {"cryptography": "cryptography"}
 ENGINE_IMPORTS = {"integrations.sglang": {"torch", "sglang"},
                   "integrations.lmcache": {"torch", "lmcache"}}
