@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# The repository first, even when an editable install already lists it (last): otherwise a
+# `tests` package some wheel puts in site-packages shadows ours (tests.storage_backends).
+sys.path[:] = [str(REPO)] + [p for p in sys.path if p != str(REPO)]
 
 from hicache.units import parse_bytes  # noqa: E402
 
