@@ -30,7 +30,7 @@ from hicache.ops import BackupOp
 from hicache.wiring import make_backend, make_controller
 
 if TYPE_CHECKING:
-    from hicache.cache_state import CacheState
+    from hicache.hiradix import HiRadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def probe_keys(namespace: bytes, rank: int, n: int) -> list[str]:
     return [hashlib.sha256(base + i.to_bytes(4, "little")).hexdigest() for i in range(n)]
 
 
-def calibrate_transfers(cache: CacheState, probe_bytes: int = PROBE_BYTES) -> dict[str, Any]:
+def calibrate_transfers(cache: HiRadixCache, probe_bytes: int = PROBE_BYTES) -> dict[str, Any]:
     """Measure the host and (with a backend) the storage load path of `cache` into its cost
     model; returns what was measured (also in `cache.controller.cost.calibration`). Call it
     when no request is in flight (it borrows free device and host pages)."""
@@ -97,7 +97,7 @@ def _h2d(data: Any, host: list[int], dev: list[int], device: torch.device) -> fl
     return time.perf_counter() - t0
 
 
-def _probe_storage(cache: CacheState, host: list[int]) -> dict[str, Any]:
+def _probe_storage(cache: HiRadixCache, host: list[int]) -> dict[str, Any]:
     """Write the probe records from `host`, read them back into `host` as a prefetch would,
     delete them; through a second backend instance (the serving one's counters untouched)."""
     cost = cache.controller.cost
