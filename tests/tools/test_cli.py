@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.tools.conftest import REPO, mooncake_rows, write_jsonl
-from tools.hitrate.cli import build_parser, kv_bytes_from_model, main, parse_size
+from tools.hitrate.cli import build_parser, kv_bytes_from_model, main
+from tools.hitrate.sizes import parse_size
 
 FLAGS = [
     "--format",
@@ -41,6 +42,7 @@ FLAGS = [
     "--sample",
     "--target",
     "--no-opt",
+    "--warmup",
     "--prefill-tokens-per-s",
     "--host-bandwidth",
     "--storage-bandwidth",
@@ -62,6 +64,7 @@ TOP_KEYS = [
     "reuse_distance",
     "sharing",
     "mrc",
+    "sweep",
     "engine",
     "timing",
     "notes",

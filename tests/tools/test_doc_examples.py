@@ -19,7 +19,7 @@ def test_doc_examples_print_what_the_doc_shows() -> None:
         "traces/mooncake_conversation_trace.jsonl",
         "traces/chat_example.jsonl",
     ]
-    assert len(others) == 3  # the three commands at the top of the page
+    assert len(others) == 5  # the three commands at the top of the page, --model, a sweep
     assert all(ex.output for ex in examples)
     assert check(DOC) == []
     text = DOC.read_text()

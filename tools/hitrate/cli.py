@@ -18,8 +18,10 @@ from typing import Any
 
 from hicache.errors import ConfigError, HiCacheError
 from tools.hitrate import catalog
+from tools.hitrate.cost import ttft_saved
 from tools.hitrate.options import build_parser
-from tools.hitrate.sizes import kv_bytes_from_model, parse_size, to_pages
+from tools.hitrate.sizes import kv_bytes_from_model, to_pages
+from tools.hitrate.sweep import parse_sizes, run_sweep
 from tools.hitrate.traces import Limits
 
 logger = logging.getLogger(__name__)
@@ -43,13 +45,10 @@ def kv_bytes_option(args: argparse.Namespace) -> float | None:
     return args.kv_bytes_per_token
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Does the work; returns the JSON document. Raises HiCacheError on bad input."""
-    from tools.hitrate import fast, fast_replay
-    from tools.hitrate import mrc as mrcmod
+def read_arrays(args: argparse.Namespace) -> tuple[Any, Any, list[str], bool, float]:
+    """Reads TRACE (the trace flags of `options.add_trace_args`) into page arrays: (trace,
+    arrays, notes, whether the trace streamed into arrays without Requests, seconds)."""
     from tools.hitrate.arrays import BlockSink, from_trace
-    from tools.hitrate.report import SCHEMA
-    from tools.hitrate.simulate import TierConfig, replay, replay_arrays
     from tools.hitrate.trace_dir import read_path
     from tools.hitrate.traces import load_tokenizer
 
@@ -58,21 +57,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("max_request_tokens", "max_line_bytes"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    try:
-        ev_cfg = json.loads(args.eviction_policy_config)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--eviction-policy-config is not JSON: {e.msg}") from None
-    if not isinstance(ev_cfg, dict):
-        raise ConfigError("--eviction-policy-config must be a JSON object")
-    if args.sample is not None and not 0.0 < args.sample <= 1.0:
-        raise ConfigError(f"--sample must be a rate in (0, 1], got {args.sample}")
-    specs = {f: parse_size(getattr(args, f)) for f in ("device", "host", "storage")}
-
-    kvb = kv_bytes_option(args)  # before a long read: a wrong name or path fails at once
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     # Block traces stream into arrays (no Request kept per line) unless tokens are replayed.
-    sink = BlockSink() if args.replay_mode == "pages" else None
+    sink = BlockSink() if getattr(args, "replay_mode", "pages") == "pages" else None
     trace, notes = read_path(
         args.trace,
         args.format,
@@ -94,6 +82,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         arrs = from_trace(trace, page_size, ignore_output=args.ignore_output)
     t_read = time.perf_counter() - t0
+    return trace, arrs, notes, streamed, t_read
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Does the work; returns the JSON document. Raises HiCacheError on bad input."""
+    from tools.hitrate import fast, fast_replay
+    from tools.hitrate import mrc as mrcmod
+    from tools.hitrate.report import SCHEMA
+    from tools.hitrate.simulate import TierConfig, replay, replay_arrays
+
+    try:
+        ev_cfg = json.loads(args.eviction_policy_config)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--eviction-policy-config is not JSON: {e.msg}") from None
+    if not isinstance(ev_cfg, dict):
+        raise ConfigError("--eviction-policy-config must be a JSON object")
+    if args.sample is not None and not 0.0 < args.sample <= 1.0:
+        raise ConfigError(f"--sample must be a rate in (0, 1], got {args.sample}")
+    if not 0.0 <= args.warmup < 1.0:
+        raise ConfigError(f"--warmup must be a fraction in [0, 1), got {args.warmup}")
+    if args.warmup and args.replay_mode == "tokens":
+        raise ConfigError("--warmup needs --replay-mode pages")
+    grid_specs = {f: parse_sizes(getattr(args, f), f"--{f}") for f in ("device", "host", "storage")}
+    specs = {f: v[0] for f, v in grid_specs.items()}  # the report's configuration: the first
+    policies = [p.strip() for p in args.eviction_policy.split(",")]
+    if not all(policies) or len(set(policies)) != len(policies):
+        raise ConfigError(f"--eviction-policy: bad list {args.eviction_policy!r}")
+    sweeping = len(policies) > 1 or any(len(v) > 1 for v in grid_specs.values())
+
+    kvb = kv_bytes_option(args)  # before a long read: a wrong name or path fails at once
+    trace, arrs, notes, streamed, t_read = read_arrays(args)
+    page_size = arrs.page_size
 
     if kvb is None and trace.kv_bytes_per_token:
         kvb = trace.kv_bytes_per_token
@@ -105,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         host_pages=pages["host"] if pages["host"] is not None else None,  # type: ignore[arg-type]
         storage_pages=pages["storage"],
         write_policy=args.write_policy,
-        eviction_policy=args.eviction_policy,
+        eviction_policy=policies[0],
         eviction_config=ev_cfg,
         prefetch_policy=args.prefetch_policy,
         prefetch_threshold=args.prefetch_threshold,
@@ -114,8 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
-    if streamed:
-        sim = replay_arrays(arrs, tiers, progress=progress)
+    if streamed or args.warmup:
+        sim = replay_arrays(arrs, tiers, progress=progress, warmup=args.warmup)
     else:
         sim = replay(
             trace, tiers, ignore_output=args.ignore_output, progress=progress,
@@ -124,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_sim = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    n_req = arrs.requests
-    stack = fast.stack_distances(arrs)
+    stack = fast.stack_distances(arrs, warmup=args.warmup)
+    n_req = stack.requests  # measured requests (after the warm-up)
     n_in = stack.input_tokens
     ub_tokens = stack.unbounded_hit_tokens
     ub_requests = stack.unbounded_hit_requests
@@ -141,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "request_hit_rate": _ratio(ub_requests, n_req),
             }
         else:
-            o = fast_replay.belady(arrs, [int(total)])[0]
+            o = fast_replay.belady(arrs, [int(total)], warmup=args.warmup)[0]
             opt_doc = {
                 "capacity_pages": o.capacity_pages,
                 "hit_tokens": o.hit_tokens,
@@ -215,20 +235,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     prefill_s = transfer_s = ttft = None
     if args.prefill_tokens_per_s:
-        prefill_s = sim.hit_tokens / args.prefill_tokens_per_s
-        transfer_s = 0.0
-        for tier, bw in (("host", args.host_bandwidth), ("storage", args.storage_bandwidth)):
-            moved = getattr(sim, f"{tier}_hit_tokens")
-            if not moved:
-                continue
-            if bw and kvb:
-                transfer_s += moved * kvb / bw
-            else:
-                notes.append(
-                    f"{tier} hits counted as free transfers (no --{tier}-bandwidth or "
-                    "kv bytes per token)"
-                )
-        ttft = prefill_s - transfer_s
+        sv = ttft_saved(sim.device_hit_tokens, sim.host_hit_tokens, sim.storage_hit_tokens,
+                        args.prefill_tokens_per_s, kvb, args.host_bandwidth,
+                        args.storage_bandwidth)
+        prefill_s, transfer_s, ttft = sv.prefill_s, sv.transfer_s, sv.ttft_s
+        for tier in sv.free_tiers:
+            notes.append(
+                f"{tier} hits counted as free transfers (no --{tier}-bandwidth or "
+                "kv bytes per token)"
+            )
+    sweep_rows = None
+    if sweeping:
+        t0 = time.perf_counter()
+        grid = {f: [to_pages(sp, page_size, kvb, f"--{f}") for sp in grid_specs[f]]
+                for f in grid_specs}
+        sweep_rows = run_sweep(
+            arrs, tiers, grid, policies, kvb=kvb, prefill_tokens_per_s=args.prefill_tokens_per_s,
+            host_bandwidth=args.host_bandwidth, storage_bandwidth=args.storage_bandwidth,
+            warmup=args.warmup, progress=progress,
+        )
+        t_an += time.perf_counter() - t0
     if trace.format in ("chat", "completion") and not args.ignore_output:
         notes.append(
             "outputs are unknown in OpenAI request bodies: max_tokens unique tokens are "
@@ -260,11 +286,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": args.model or args.model_path,
             "kv_dtype": args.kv_dtype,
             "tp": args.tp,
-            "eviction_policy": args.eviction_policy,
+            "eviction_policy": policies[0],
             "eviction_config": ev_cfg,
             "write_policy": args.write_policy,
             "prefetch_policy": args.prefetch_policy,
             "ignore_output": args.ignore_output,
+            "warmup": args.warmup,
         },
         "result": {
             "requests": res.requests,
@@ -305,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "sharing": asdict(share),
         "mrc": mrc_doc,
+        "sweep": sweep_rows,
         "engine": None
         if res.engine_cached_tokens is None
         else {

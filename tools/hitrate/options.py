@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from tools.hitrate.traces import MAX_LINE_BYTES, MAX_REQUEST_TOKENS
 
@@ -14,55 +15,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Cache hit-rate analysis: replays a request trace through HiCache's real "
         "HiRadixCache in simulated mode (device / host / storage tiers), with the unbounded "
         "bound, Belady's offline optimum, an LRU miss-ratio curve, reuse distances and prefix "
-        "sharing. Sizes: tokens (4096, 2M), pages (64p), bytes (2GiB, 500MB) or 'unbounded'.",
+        "sharing. Sizes: tokens (4096, 2M), pages (64p), bytes (2GiB, 500MB) or 'unbounded'; "
+        "--device/--host/--storage also take lists and ranges (8GiB,16GiB or 4GiB:64GiB:x2 or "
+        "1024p:8192p:+1024p), and several --eviction-policy values (lru,fifo): every "
+        "combination is replayed (a sweep; the first values make the main report). Capacity "
+        "planning from prices: 'hicache-hitrate plan --help'.",
     )
-    p.add_argument("trace", metavar="TRACE", help="trace file (JSON lines), or a directory of them")
-    g = p.add_argument_group("trace")
-    g.add_argument(
-        "--format",
-        default="auto",
-        choices=["auto", "mooncake", "lmcache", "engine", "chat", "completion"],
-        help="trace format (default: detected from the first valid line)",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=512,
-        metavar="N",
-        help="tokens per hash_id block in mooncake traces (default 512; lmcache logs "
-        "carry their own chunk_size)",
-    )
-    g.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="Hugging Face tokenizer directory for chat / completion traces",
-    )
-    g.add_argument("--limit", type=int, metavar="N", help="read only the first N requests")
-    g.add_argument(
-        "--skip-bad-lines",
-        action="store_true",
-        help="skip malformed lines (counted and reported) instead of stopping",
-    )
-    g.add_argument(
-        "--max-request-tokens",
-        type=int,
-        default=MAX_REQUEST_TOKENS,
-        metavar="N",
-        help="bound on every input and output length of a request (and so on its block "
-        f"count); a line over it is a bad line (default {MAX_REQUEST_TOKENS:,})",
-    )
-    g.add_argument(
-        "--max-line-bytes",
-        type=int,
-        default=MAX_LINE_BYTES,
-        metavar="N",
-        help=f"bound on the length of one trace line (default {MAX_LINE_BYTES:,})",
-    )
-    g.add_argument(
-        "--ignore-output",
-        action="store_true",
-        help="do not insert output tokens into the cache after each request",
-    )
+    add_trace_args(p)
     g = p.add_argument_group("cache")
     g.add_argument(
         "--page-size",
@@ -75,60 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="unbounded",
         metavar="SIZE",
-        help="device (L1) capacity (default unbounded)",
+        help="device (L1) capacity, or a list / range of them to sweep (default unbounded)",
     )
     g.add_argument(
         "--host",
         default="0",
         metavar="SIZE",
-        help="host memory (L2) capacity (default 0: no host tier)",
+        help="host memory (L2) capacity, or a list / range to sweep (default 0: no host tier)",
     )
     g.add_argument(
         "--storage",
         default="0",
         metavar="SIZE",
-        help="storage (L3) capacity, or 'unbounded' (default 0: no storage tier)",
+        help="storage (L3) capacity, or 'unbounded', or a list / range to sweep (default 0: no "
+        "storage tier)",
     )
-    g.add_argument(
-        "--kv-bytes-per-token",
-        type=float,
-        metavar="N",
-        help="KV bytes per token, to read byte sizes",
-    )
-    g.add_argument(
-        "--model-path",
-        metavar="DIR",
-        help="HF checkpoint directory: kv bytes per token = 2 * layers * kv_heads * "
-        "head_dim * dtype bytes from its config.json (MLA: layers * (kv_lora_rank + "
-        "qk_rope_head_dim) * dtype bytes)",
-    )
-    g.add_argument(
-        "--model",
-        metavar="NAME",
-        help="a model from the catalog (tools/hitrate/catalog.py: llama-3.1-8b, qwen3-32b, "
-        "deepseek-v3, kimi-k2, gemma-3-27b, gpt-oss-120b, glm-4.5, ...): its KV bytes per "
-        "token at --kv-dtype and --tp; an unknown name lists the known ones",
-    )
-    g.add_argument(
-        "--kv-dtype",
-        metavar="DTYPE",
-        help="KV dtype: bf16, fp8 or fp4 with --model (default bf16); with --model-path also "
-        "torch names such as float16 (default: the checkpoint's torch_dtype)",
-    )
-    g.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="tensor-parallel size for --model / --model-path: sizes are per rank, each rank "
-        "keeping kv_heads / N KV heads (one, replicated, when kv_heads < N; MLA's latent is "
-        "replicated on every rank) (default 1)",
-    )
+    add_model_args(g)
     g.add_argument(
         "--eviction-policy",
         default="lru",
         metavar="NAME",
-        help="lru, lfu, slru, priority, fifo, mru (default lru)",
+        help="lru, lfu, slru, priority, fifo, mru, or a comma list of them replayed side by side "
+        "(default lru)",
     )
     g.add_argument(
         "--eviction-policy-config",
@@ -190,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-opt", action="store_true", help="skip Belady's optimum")
     g.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="the first FRACTION of requests (e.g. 0.1) fills the cache and is not counted: "
+        "every hit rate (replay, sweep, unbounded, OPT, MRC) is measured in steady state "
+        "(default 0)",
+    )
+    g.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         metavar="N",
@@ -220,3 +156,93 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """TRACE and the flags that read it (shared with `hicache-hitrate plan`)."""
+    p.add_argument("trace", metavar="TRACE", help="trace file (JSON lines), or a directory of them")
+    g = p.add_argument_group("trace")
+    g.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "mooncake", "lmcache", "engine", "chat", "completion"],
+        help="trace format (default: detected from the first valid line)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens per hash_id block in mooncake traces (default 512; lmcache logs "
+        "carry their own chunk_size)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="Hugging Face tokenizer directory for chat / completion traces",
+    )
+    g.add_argument("--limit", type=int, metavar="N", help="read only the first N requests")
+    g.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip malformed lines (counted and reported) instead of stopping",
+    )
+    g.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=MAX_REQUEST_TOKENS,
+        metavar="N",
+        help="bound on every input and output length of a request (and so on its block "
+        f"count); a line over it is a bad line (default {MAX_REQUEST_TOKENS:,})",
+    )
+    g.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"bound on the length of one trace line (default {MAX_LINE_BYTES:,})",
+    )
+    g.add_argument(
+        "--ignore-output",
+        action="store_true",
+        help="do not insert output tokens into the cache after each request",
+    )
+
+
+def add_model_args(g: Any) -> None:
+    """The flags giving KV bytes per token (shared with `hicache-hitrate plan`)."""
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=float,
+        metavar="N",
+        help="KV bytes per token, to read byte sizes",
+    )
+    g.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="HF checkpoint directory: kv bytes per token = 2 * layers * kv_heads * "
+        "head_dim * dtype bytes from its config.json (MLA: layers * (kv_lora_rank + "
+        "qk_rope_head_dim) * dtype bytes)",
+    )
+    g.add_argument(
+        "--model",
+        metavar="NAME",
+        help="a model from the catalog (tools/hitrate/catalog.py: llama-3.1-8b, qwen3-32b, "
+        "deepseek-v3, kimi-k2, gemma-3-27b, gpt-oss-120b, glm-4.5, ...): its KV bytes per "
+        "token at --kv-dtype and --tp; an unknown name lists the known ones",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        metavar="DTYPE",
+        help="KV dtype: bf16, fp8 or fp4 with --model (default bf16); with --model-path also "
+        "torch names such as float16 (default: the checkpoint's torch_dtype)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size for --model / --model-path: sizes are per rank, each rank "
+        "keeping kv_heads / N KV heads (one, replicated, when kv_heads < N; MLA's latent is "
+        "replicated on every rank) (default 1)",
+    )

@@ -190,6 +190,10 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
                     f"({_pct(rel['hit_rate'])}) needs {rel['capacity_pages']:,} pages = "
                     f"{_fmt_bytes(rel['capacity_bytes'])}"
                 )
+    if doc.get("sweep"):
+        from tools.hitrate.sweep import print_sweep
+
+        print_sweep(doc["sweep"], con)
     eng = doc.get("engine")
     if eng:
         con.print(

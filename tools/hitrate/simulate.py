@@ -241,11 +241,14 @@ def replay_arrays(
     tiers: TierConfig,
     *,
     progress: bool | None = False,
+    warmup: float = 0.0,
 ) -> SimResult:
     """`replay(..., mode="pages")` of a block trace read into `PageArrays` (no `Request`s): the
     same page-id sequences reach the same cache, so the result is the same counter for counter
-    (tests/tools/test_fast.py)."""
+    (tests/tools/test_fast.py). `warmup`: the first fraction of requests goes through the cache
+    but is not counted in the result (its `cache_stats` count every request)."""
     from hicache.simulation import replay_request
+    from tools.hitrate.fast import warmup_start
 
     if tiers.page_size != arrs.page_size:
         raise ConfigError(f"page size {tiers.page_size} != the arrays' {arrs.page_size}")
@@ -260,6 +263,7 @@ def replay_arrays(
         storage_pages=tiers.storage_pages,
     )
     pages, offsets, n_lookup, input_len = arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len
+    start = warmup_start(arrs, warmup)
     bar = _progress(n, progress, "replaying")
     step = 4096
     try:
@@ -274,6 +278,8 @@ def replay_arrays(
                 nl = int(n_lookup[i])
                 inp = int(input_len[i])
                 sr = replay_request(cache, str(i), full[:nl], full, None, inp)
+                if i < start:
+                    continue
                 _account(res, sr.device_hit_tokens * ps, sr.host_hit_tokens * ps,
                          sr.storage_hit_tokens * ps, inp)
             if bar is not None:
