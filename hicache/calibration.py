@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hicache.controller import MIN_READ_PAGES
-from hicache.ops import BackupOp
+from hicache.ops import BackupOp, Transfer
 from hicache.wiring import make_backend, make_controller
 
 if TYPE_CHECKING:
@@ -64,12 +64,12 @@ def calibrate_transfers(cache: HiRadixCache, probe_bytes: int = PROBE_BYTES) -> 
     host = cache.host_alloc.alloc(n)
     assert dev is not None and host is not None
     try:
-        data = controller.data
-        data.device_to_host(dev, host)  # probe contents (and the copy path warmed)
-        data.mover.host_quiet()
+        transfer = controller.transfer
+        transfer.device_to_host(dev, host)  # probe contents (and the copy path warmed)
+        transfer.quiet_host()
         device = cache.device_pool.device
-        _h2d(data, host, dev, device)  # untimed: first-use costs stay out
-        secs = _h2d(data, host, dev, device)
+        _h2d(transfer, host, dev, device)  # untimed: first-use costs stay out
+        secs = _h2d(transfer, host, dev, device)
         cost.observe_load("host", n * page_bytes, secs)
         out.update(host_bytes=n * page_bytes, host_seconds=secs,
                    host_bytes_per_s=n * page_bytes / secs if secs > 0 else None)
@@ -86,12 +86,14 @@ def calibrate_transfers(cache: HiRadixCache, probe_bytes: int = PROBE_BYTES) -> 
     return out
 
 
-def _h2d(data: Any, host: list[int], dev: list[int], device: torch.device) -> float:
+def _h2d(transfer: Transfer, host: list[int], dev: list[int], device: torch.device) -> float:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    data.host_to_device(host, dev).wait_all()
+    ctr = transfer.host_to_device(host, dev)
+    if ctr is not None:
+        ctr.wait_all()
     if cuda:
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
@@ -110,7 +112,7 @@ def _probe_storage(cache: HiRadixCache, host: list[int]) -> dict[str, Any]:
                             sim_storage=None)
     try:
         written = BackupOp(None, list(host), keys)
-        probe.data.store(keys, host, written)
+        probe.transfer.store(keys, host, written)
         if written.written != len(keys):
             return {"storage_error": f"{written.written} of {len(keys)} probe pages written"}
         op = probe.timed_read(keys, host)

@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from hicache.backoff import Backoff
 from hicache.costmodel import CostModel, LoadPlan
@@ -72,10 +71,6 @@ class TransferController:
         `writes_storage=False`: backups write nothing (another rank writes the pages all ranks
         share: MLA's one latent, written by rank 0) and count as already present."""
         self.transfer = transfer
-        # The transfer that moves bytes: a wrapper (the prefetch prober) exposes it as `inner`.
-        # Device <-> host copies and the fast paths go to it directly, so their completion
-        # events and options are never lost in a forwarding layer.
-        self.data: Any = getattr(transfer, "inner", transfer)
         # Prefetch reads in flight at once (sub-batches of one request, placed in order).
         self.readers = readers
         self._reader_pool: ThreadPoolExecutor | None = None
@@ -100,9 +95,9 @@ class TransferController:
         )
         self.storage_errors = 0  # read by the owner; only grows
         # Measured tier bandwidths and prefill speed: the load-vs-recompute decision.
-        bpt = getattr(self.data, "bytes_per_token", None)
+        bpt = transfer.bytes_per_token
         self.cost: CostModel | None = (
-            CostModel(bpt, margin=load_margin) if isinstance(bpt, int) else None
+            CostModel(bpt, margin=load_margin) if bpt is not None else None
         )
         # Writes whose copy was issued and has not completed yet (CUDA): acked when it has.
         self._inflight: list[WriteOp] = []
@@ -125,11 +120,10 @@ class TransferController:
     def _start_readers(self) -> None:
         """Start the prefetch readers now, so that a restarted engine's first L3 hit does not
         pay for thread starts and fresh staging memory inside its time to first token."""
-        if getattr(self.data, "read_batch", None) is None or self.readers <= 1:
+        if not self.transfer.pipelined_reads or self.readers <= 1:
             return  # no pipelined reads (`_run_prefetch`)
-        warm = getattr(self.data, "warm_staging", None)
         self._reader_pool = start_readers(
-            self.readers, lambda: warm(MIN_READ_PAGES) if warm is not None else None
+            self.readers, lambda: self.transfer.warm_staging(MIN_READ_PAGES)
         )
 
     # -- health -------------------------------------------------------------------------------
@@ -185,9 +179,8 @@ class TransferController:
             self._queues[kind].put(op)
 
     def submit_write(self, op: WriteOp) -> None:
-        ready = getattr(self.data, "ready_event", None)
-        if ready is not None and op.ready is None:
-            op.ready = ready()
+        if op.ready is None:
+            op.ready = self.transfer.ready_event()
         self._submit("write", op)
 
     def submit_backup(self, op: BackupOp) -> None:
@@ -344,29 +337,20 @@ class TransferController:
         wait; the host does not block). With `layerwise` the caller must call
         `counter.wait(i)` before layer i reads the pool (`ForwardBatch.wait_layer`)."""
         t0 = time.perf_counter()
-        if layerwise:
-            h2d: Any = self.data.host_to_device
-            ctr = h2d(host_pages, device_pages, True)
-        else:  # (the simulated transfer takes no flag)
-            ctr = self.data.host_to_device(host_pages, device_pages)
+        ctr = self.transfer.host_to_device(host_pages, device_pages, layerwise)
         if ctr is None:
             return LayerDoneCounter([DONE], 1)
         if self.cost is not None and ctr.done() and host_pages:  # synchronous (CPU): timed here
-            nbytes = len(host_pages) * getattr(self.data, "bytes_per_token", 0)
-            self.cost.observe_load("host", nbytes * self._page_size(), time.perf_counter() - t0)
+            nbytes = len(host_pages) * self.transfer.page_size * self.cost.bytes_per_token
+            self.cost.observe_load("host", nbytes, time.perf_counter() - t0)
         if not layerwise:
             ctr.wait_all()
         return ctr
 
-    def _page_size(self) -> int:
-        dev = getattr(self.data, "device", None)
-        return int(getattr(dev, "page_size", 1))
-
     def write_now(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """device -> host before the device pages are freed: later work on the compute stream
         waits for the copy on the device; the host does not block."""
-        ready = getattr(self.data, "ready_event", None)
-        ev = self._d2h(device_pages, host_pages, ready() if ready is not None else None)
+        ev = self.transfer.device_to_host(device_pages, host_pages, self.transfer.ready_event())
         if ev is not None:
             LayerDoneCounter([ev], 1).wait_all()
 
@@ -378,12 +362,6 @@ class TransferController:
             if op is None:
                 return
             self._run(op)
-
-    def _d2h(self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Any) -> Any:
-        if ready is None:  # (the simulated transfer takes no event)
-            return self.data.device_to_host(device_pages, host_pages)
-        d2h: Any = self.data.device_to_host
-        return d2h(device_pages, host_pages, ready)
 
     def _ack(self, op: Op) -> None:
         self._done[kind_of(op)].append(op)
@@ -397,7 +375,7 @@ class TransferController:
         in_flight = False
         try:
             if isinstance(op, WriteOp):
-                op.event = self._d2h(op.device_pages, op.host_pages, op.ready)
+                op.event = self.transfer.device_to_host(op.device_pages, op.host_pages, op.ready)
                 with self._pending_lock:  # behind an earlier write still in flight: queue up
                     in_flight = op.event is not None and (
                         bool(self._inflight) or not op.event.query()
@@ -444,7 +422,7 @@ class TransferController:
         if not self.storage_available():
             return
         t0 = time.perf_counter()
-        read = getattr(self.data, "read_batch", None)
+        read = self.transfer.read_batch if self.transfer.pipelined_reads else None
         try:
             n = len(op.keys)  # prefetch() reserved host pages for the leading run present
             i = 0
@@ -479,7 +457,7 @@ class TransferController:
         self, op: PrefetchOp, read: Callable[[Sequence[str], Sequence[int]], tuple[int, int]]
     ) -> None:
         assert self._reader_pool is not None  # started with the controller (`_start_readers`)
-        record_bytes = int(getattr(getattr(self.data, "codec", None), "record_bytes", 0))
+        record_bytes = self.transfer.record_bytes
         per_reader = -(-len(op.keys) // self.readers)
         sub = min(self.batch_pages, max(MIN_READ_PAGES, per_reader))
         fetch_pipelined(op, read, self._reader_pool, self.readers, sub, record_bytes)

@@ -10,12 +10,14 @@ order, which is what lets tensor-parallel ranks agree on how many of each have c
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hicache.radix import Tokens, TreeNode
+    from hicache.transfer import Event, LayerDoneCounter
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,27 +101,76 @@ Op = WriteOp | BackupOp | PrefetchOp
 # --------------------------------------------------------------------------------------------
 
 
-class Transfer(Protocol):
-    """How bytes move. `TensorTransfer` for real pools; `SimTransfer` moves nothing."""
+class Transfer(ABC):
+    """How bytes move. `TensorTransfer` for real pools, `SimTransfer` (simulated mode) moves
+    nothing, `ProbingTransfer` wraps either for the prefetch worker's L3 probes.
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Any:
-        """Start the copy; return its completion `Event` (or None: finished). `TensorTransfer`
-        also takes `ready` (an event the copy waits for)."""
-        ...
+    Every capability the controller uses is a member here, with the default of a transfer that
+    lacks it; the controller calls these members and never probes an object for attributes."""
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Any:
-        """Start the copy; return a `LayerDoneCounter` (or None: finished). `TensorTransfer`
-        also takes `layerwise`."""
-        ...
+    @property
+    def bytes_per_token(self) -> int | None:
+        """KV bytes of one token in the pools; None: this transfer moves no bytes (simulated),
+        so there is no cost model to feed."""
+        return None
 
-    def exists(self, keys: Sequence[str]) -> int: ...
+    @property
+    def page_size(self) -> int:
+        """Tokens per device page."""
+        return 1
 
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None: ...
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one L3 page record (0: no L3 codec)."""
+        return 0
 
+    @property
+    def pipelined_reads(self) -> bool:
+        """`read_batch` works: a large prefetch may be split over reader threads."""
+        return False
+
+    @abstractmethod
+    def device_to_host(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Event | None = None
+    ) -> Event | None:
+        """Start the copy once `ready` (an event on the compute stream) has fired; return its
+        completion event (None: finished)."""
+
+    @abstractmethod
+    def host_to_device(
+        self, host_pages: Sequence[int], device_pages: Sequence[int], layerwise: bool = False
+    ) -> LayerDoneCounter | None:
+        """Start the copy; return its per-layer counter (None: finished)."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many leading `keys` L3 holds."""
+
+    @abstractmethod
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
+        """Write the pages' records; count into `op`."""
+
+    @abstractmethod
     def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
         """Fetch pages in order into `host_pages`, advancing `op.completed`; return False at the
         first missing or invalid page."""
-        ...
+
+    def read_batch(self, keys: Sequence[str], host_pages: Sequence[int]) -> tuple[int, int]:
+        """Read, check and place one batch (thread-safe for disjoint `host_pages`); return
+        (leading pages placed, corrupt records found). Only where `pipelined_reads`."""
+        raise NotImplementedError(f"{type(self).__name__} has no pipelined reads")
+
+    def warm_staging(self, n: int) -> object:
+        """Make this thread's staging memory for `n` records ready (a reader thread's start)."""
+        return None
+
+    def ready_event(self) -> Event | None:
+        """An event on the caller's (compute) stream that a write waits for (None: no streams)."""
+        return None
+
+    def quiet_host(self) -> None:
+        """Wait until no copy into or out of host pages is in flight (CUDA; nothing on CPU)."""
+        return None
 
 
 def kind_of(op: Op) -> str:

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD
-from hicache.controller import PrefetchOp
 from hicache.keys import page_keys
+from hicache.ops import BackupOp, PrefetchOp, Transfer
 from hicache.radix import Tokens, common_pages
 from hicache.staging import trim_path
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from hicache.controller import BackupOp, Transfer
     from hicache.owner import CacheOwner
     from hicache.radix import TreeNode
+    from hicache.transfer import Event, LayerDoneCounter
 
 logger = logging.getLogger(__name__)
 
@@ -323,36 +323,58 @@ class Prefetcher:
             c.counters.outcome("corrupt" if op.corrupt else "read_failed", rest)
 
 
-class ProbingTransfer:
-    """The `Transfer` the controller runs prefetches through. A probe (a `PrefetchOp` with no
+class ProbingTransfer(Transfer):
+    """The `Transfer` the controller runs everything through. A probe (a `PrefetchOp` with no
     host pages) asks L3 which leading pages it has, batch by batch, on the prefetch worker, and
-    counts them in `op.completed`; a fetch reads as `inner` does. The controller reaches
-    `inner` directly for device <-> host copies and pipelined reads."""
+    counts them in `op.completed`; everything else is `inner`'s, member by member (each one
+    declared on `Transfer`, so none is lost in forwarding)."""
 
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
 
+    @property
+    def bytes_per_token(self) -> int | None:
+        return self.inner.bytes_per_token
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    @property
+    def record_bytes(self) -> int:
+        return self.inner.record_bytes
+
+    @property
+    def pipelined_reads(self) -> bool:
+        return self.inner.pipelined_reads
+
     def device_to_host(
-        self, device_pages: Sequence[int], host_pages: Sequence[int], *args: Any, **kw: Any
-    ) -> Any:
-        return self.inner.device_to_host(device_pages, host_pages, *args, **kw)
+        self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Event | None = None
+    ) -> Event | None:
+        return self.inner.device_to_host(device_pages, host_pages, ready)
 
     def host_to_device(
-        self, host_pages: Sequence[int], device_pages: Sequence[int], *args: Any, **kw: Any
-    ) -> Any:
-        return self.inner.host_to_device(host_pages, device_pages, *args, **kw)
+        self, host_pages: Sequence[int], device_pages: Sequence[int], layerwise: bool = False
+    ) -> LayerDoneCounter | None:
+        return self.inner.host_to_device(host_pages, device_pages, layerwise)
 
     def exists(self, keys: Sequence[str]) -> int:
         return self.inner.exists(keys)
 
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> Any:
-        return self.inner.store(keys, host_pages, op)
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
+        self.inner.store(keys, host_pages, op)
 
-    def __getattr__(self, name: str) -> Any:
-        """Anything else (`read_batch`, `bytes_per_token`, `device`, ...) is the inner one's."""
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def read_batch(self, keys: Sequence[str], host_pages: Sequence[int]) -> tuple[int, int]:
+        return self.inner.read_batch(keys, host_pages)
+
+    def warm_staging(self, n: int) -> object:
+        return self.inner.warm_staging(n)
+
+    def ready_event(self) -> Event | None:
+        return self.inner.ready_event()
+
+    def quiet_host(self) -> None:
+        self.inner.quiet_host()
 
     def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
         if host_pages:

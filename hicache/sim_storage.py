@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from hicache.controller import BackupOp, PrefetchOp
+from hicache.ops import BackupOp, PrefetchOp, Transfer
+
+if TYPE_CHECKING:
+    from hicache.transfer import Event, LayerDoneCounter
 
 
 class SimStorage:
@@ -55,17 +59,21 @@ class SimStorage:
         self.keys.clear()
 
 
-class SimTransfer:
+class SimTransfer(Transfer):
     """The `Transfer` of simulated mode: page bookkeeping only."""
 
     def __init__(self, storage: SimStorage | None) -> None:
         self.storage = storage
 
-    def device_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        pass
+    def device_to_host(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Event | None = None
+    ) -> None:
+        return None
 
-    def host_to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> None:
-        pass
+    def host_to_device(
+        self, host_pages: Sequence[int], device_pages: Sequence[int], layerwise: bool = False
+    ) -> LayerDoneCounter | None:
+        return None
 
     def exists(self, keys: Sequence[str]) -> int:
         assert self.storage is not None

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.ops import BackupOp, PrefetchOp, Transfer
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.storage import HEADER_BYTES, PageCodec, StorageBackend
 from hicache.transfer import Event, LayerDoneCounter, PageMover
@@ -20,7 +21,7 @@ from hicache.transfer import Event, LayerDoneCounter, PageMover
 logger = logging.getLogger(__name__)
 
 
-class TensorTransfer:
+class TensorTransfer(Transfer):
     """Moves real KV between a `DeviceKVPool`, a `HostKVPool` and a `StorageBackend`.
 
     Device <-> host through `PageMover` (async on CUDA, events); host <-> L3 in batches: a
@@ -41,9 +42,24 @@ class TensorTransfer:
         self.codec = codec
         # None for a device-only cache (no host tier: nothing ever moves).
         self._mover = PageMover(device, host) if host is not None else None
-        self.bytes_per_token = device.bytes_per_token
         self._local = threading.local()
         self._template: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.device.bytes_per_token
+
+    @property
+    def page_size(self) -> int:
+        return self.device.page_size
+
+    @property
+    def record_bytes(self) -> int:
+        return self.codec.record_bytes if self.codec is not None else 0
+
+    @property
+    def pipelined_reads(self) -> bool:
+        return True
 
     @property
     def mover(self) -> PageMover:
@@ -91,7 +107,7 @@ class TensorTransfer:
             self._template = (hdr, mask)
         return self._template
 
-    def ready_event(self) -> Any:
+    def ready_event(self) -> Event | None:
         """An event on the caller's (compute) stream: a write waits for it before reading."""
         if self._mover is not None and self._mover.cuda:
             ev = torch.cuda.Event()
@@ -99,8 +115,12 @@ class TensorTransfer:
             return ev
         return None
 
+    def quiet_host(self) -> None:
+        if self._mover is not None:
+            self._mover.host_quiet()
+
     def device_to_host(
-        self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Any = None
+        self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Event | None = None
     ) -> Event:
         return self.mover.d2h(device_pages, host_pages, ready)
 
@@ -113,7 +133,7 @@ class TensorTransfer:
         assert self.storage is not None
         return self.storage.batch_exists(keys)
 
-    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: Any) -> None:
+    def store(self, keys: Sequence[str], host_pages: Sequence[int], op: BackupOp) -> None:
         """Write the pages' records; count into `op` (a `BackupOp`)."""
         assert self.storage is not None and self.codec is not None
         self.mover.host_quiet()  # a write into these host pages may still be in flight (CUDA)
@@ -130,7 +150,7 @@ class TensorTransfer:
         op.failed += len(ok) - n_ok
         op.nbytes += n_ok * self.codec.record_bytes
 
-    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: Any) -> bool:
+    def fetch(self, keys: Sequence[str], host_pages: Sequence[int], op: PrefetchOp) -> bool:
         """Read the pages' records into `host_pages` in order, advancing `op.completed` (a
         `PrefetchOp`); False at the first missing or invalid page."""
         good, corrupt = self.read_batch(keys, host_pages)

@@ -1,10 +1,12 @@
-"""`ProbingTransfer` forwards return values, extra arguments and attributes to the transfer it
-wraps (a layer-wise load through it yields the inner transfer's per-layer counter)."""
+"""`ProbingTransfer` forwards return values, extra arguments and every capability `Transfer`
+declares to the transfer it wraps (a layer-wise load through it yields the inner transfer's
+per-layer counter)."""
 
 from __future__ import annotations
 
 import torch
 
+from hicache.ops import Transfer
 from hicache.prefetch import ProbingTransfer
 from hicache.transfer import LayerDoneCounter
 from tests.hicache.factories import tensor_cache
@@ -29,4 +31,22 @@ def test_probing_transfer_passes_arguments_and_results_through():
     ctr.wait_all()
     assert torch.equal(pool.kv[:, :, pool.slots(dev)], want)
     assert probing.bytes_per_token == inner.bytes_per_token
+    cache.close()
+
+
+def test_probing_transfer_forwards_every_declared_member():
+    """A member `Transfer` declares with a default and `ProbingTransfer` did not forward would
+    answer the default (no pipelined reads, no cost model) instead of the inner transfer's."""
+    members = [n for n in vars(Transfer) if not n.startswith("_")]
+    assert {"bytes_per_token", "page_size", "record_bytes", "pipelined_reads", "read_batch",
+            "warm_staging", "ready_event", "quiet_host", "device_to_host", "host_to_device",
+            "exists", "store", "fetch"} == set(members)
+    assert [n for n in members if n not in vars(ProbingTransfer)] == []
+    cache = tensor_cache(synchronous=True)
+    probing = cache.controller.transfer
+    assert isinstance(probing, ProbingTransfer)
+    for name in ("bytes_per_token", "page_size", "record_bytes", "pipelined_reads"):
+        assert getattr(probing, name) == getattr(probing.inner, name), name
+    assert probing.pipelined_reads is True
+    assert probing.page_size == cache.page_size
     cache.close()
