@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.tools.conftest import REPO, mooncake_rows, write_jsonl
-from tools.hitrate.cli import build_parser, kv_bytes_from_model, main
-from tools.hitrate.sizes import parse_size
+from tools.hitrate.cli import build_parser, main
+from tools.hitrate.sizes import kv_bytes_from_model, parse_size
 
 FLAGS = [
     "--format",

@@ -15,6 +15,7 @@ DOC = REPO / "docs" / "hitrate.md"
 def test_doc_examples_print_what_the_doc_shows() -> None:
     examples, others = parse(DOC.read_text())
     assert [ex.argv[0] for ex in examples] == [
+        "plan",
         "traces/mooncake_conversation_trace.jsonl",
         "traces/mooncake_conversation_trace.jsonl",
         "traces/chat_example.jsonl",

@@ -124,6 +124,7 @@ MODELS: dict[str, ModelSpec] = {
         _gqa("qwen2.5-14b", "Qwen/Qwen2.5-14B-Instruct", 48, 8, 128),
         _gqa("qwen2.5-32b", "Qwen/Qwen2.5-32B-Instruct", 64, 8, 128),
         _gqa("qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct", 80, 8, 128),
+        _gqa("qwen2.5-coder-32b", "Qwen/Qwen2.5-Coder-32B-Instruct", 64, 8, 128),
         _gqa("qwen3-0.6b", "Qwen/Qwen3-0.6B", 28, 8, 128),
         _gqa("qwen3-1.7b", "Qwen/Qwen3-1.7B", 28, 8, 128),
         _gqa("qwen3-4b", "Qwen/Qwen3-4B", 36, 8, 128),

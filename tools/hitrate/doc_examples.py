@@ -141,10 +141,15 @@ def check(doc: Path = DOC, write: bool = False) -> list[str]:
     examples, others = parse(text)
     parser = build_parser()
     problems = []
+    from tools.hitrate.plan import build_plan_parser
+
     for argv in others:
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                parser.parse_args(argv)
+                if argv[:1] == ["plan"]:
+                    build_plan_parser().parse_args(argv[1:])
+                else:
+                    parser.parse_args(argv)
         except SystemExit:
             problems.append(f"does not parse: hicache-hitrate {shlex.join(argv)}")
     lines = text.split("\n")

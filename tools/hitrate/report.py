@@ -191,8 +191,6 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
                     f"{_fmt_bytes(rel['capacity_bytes'])}"
                 )
     if doc.get("sweep"):
-        from tools.hitrate.sweep import print_sweep
-
         print_sweep(doc["sweep"], con)
     eng = doc.get("engine")
     if eng:
@@ -324,3 +322,40 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _size(pages: int | None, nbytes: float | None) -> str:
+    if pages is None:
+        return "unbounded"
+    return _fmt_bytes(nbytes) if nbytes is not None else f"{pages:,}p"
+
+
+def print_sweep(rows: list[dict[str, Any]], con: Any) -> None:
+    """The sweep as one table: a row per budget, hit rate (and TTFT saved a request when a
+    prefill rate was given) per eviction policy side by side."""
+    from rich.table import Table
+
+    policies = list(dict.fromkeys(r["eviction_policy"] for r in rows))
+    with_ttft = rows[0]["ttft_saved_seconds"] is not None
+    t = Table(title="sweep (exact replays through HiRadixCache)", header_style="bold")
+    for col in ("device", "host", "storage"):
+        t.add_column(col, justify="right")
+    for p in policies:
+        t.add_column(f"{p} hit rate", justify="right")
+        if with_ttft:
+            t.add_column(f"{p} TTFT saved/req", justify="right")
+    by_budget: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["device_pages"], r["host_pages"], r["storage_pages"])
+        by_budget.setdefault(key, {})[r["eviction_policy"]] = r
+    for per in by_budget.values():
+        first = next(iter(per.values()))
+        cells = [_size(first[f"{tier}_pages"], first[f"{tier}_bytes"])
+                 for tier in ("device", "host", "storage")]
+        for p in policies:
+            r = per[p]
+            cells.append(f"{100 * r['hit_rate']:.2f}%")
+            if with_ttft:
+                cells.append(f"{1000 * r['ttft_saved_per_request_seconds']:.1f} ms")
+        t.add_row(*cells)
+    con.print(t)
