@@ -130,17 +130,7 @@ def _belady(pages, off, n_lookup, input_len, ps, num_pages, cap, nu, depth_mult,
                             hk[w] = hk[q]
                             hp[w] = hp[q]
                             w += 1
-                    if w * 2 > hcap:
-                        hcap *= 2
-                        nk = np.empty(hcap, np.int64)
-                        npg = np.empty(hcap, np.int64)
-                        nk[:w] = hk[:w]
-                        npg[:w] = hp[:w]
-                        hk = nk
-                        hp = npg
-                    hsize = 0
-                    for q in range(w):
-                        hsize = _heap_push(hk, hp, hsize, hk[q], hp[q])
+                    hk, hp, hsize, hcap = _reheap(hk, hp, w, hcap)
                 hsize = _heap_push(hk, hp, hsize, e, p)
         while count > cap and dead:
             dead -= 1
@@ -337,6 +327,13 @@ def _lru_room(hk, hp, hsize, hcap, cached, end, nch, last, nid, mult):  # type: 
             hk[w] = hk[q]
             hp[w] = e
             w += 1
+    return _reheap(hk, hp, w, hcap)
+
+
+@njit(cache=True)
+def _reheap(hk, hp, w, hcap):  # type: ignore[no-untyped-def]
+    """The heap's first `w` entries are its live ones: double its arrays when those fill half,
+    and heap them again. Returns (keys, pages, size, capacity)."""
     if w * 2 > hcap:
         hcap *= 2
         nk = np.empty(hcap, np.int64)
