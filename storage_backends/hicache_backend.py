@@ -63,7 +63,7 @@ breaker), `hicache_shm` (the connection's region), `hicache_store` (the server's
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from hicache.backend import (
@@ -537,10 +537,10 @@ class HiCacheServerBackend(StorageBackend):
                 for i, stored in zip(idx, got):
                     ok[i] = stored
                 return []
-            if seal is not None:
-                for i in idx:
-                    seal(i, parts[i][0])
-            # Split by key count and bytes; the parts are pipelined.
+            # Split by key count and bytes; the parts are pipelined. Sealed records are sealed
+            # request by request, each just before it is sent: the server receives and stores
+            # one request while the next is sealed (sealing all first left it idle meanwhile).
+            # Requests stay as large as plain ones (smaller ones cost the server more per page).
             reqs: list[P.SetRequest] = []
             index.clear()
             size = 0
@@ -554,7 +554,16 @@ class HiCacheServerBackend(StorageBackend):
                 reqs[-1].frames.append(parts[i][0] if len(parts[i]) == 1 else b"".join(parts[i]))
                 index[-1].append(i)
                 size += sizes[i]
-            return conn.exchange(reqs)
+            if seal is None:
+                return conn.exchange(reqs)
+
+            def sealed_reqs() -> Iterator[P.SetRequest]:
+                for req, ix in zip(reqs, index):
+                    for i in ix:
+                        seal(i, parts[i][0])
+                    yield req
+
+            return conn.exchange(sealed_reqs())
 
         if send:
             try:
