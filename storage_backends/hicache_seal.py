@@ -4,23 +4,29 @@ never sees (the `hicache` backend's ``encryption_key``).
 A sealed record is what the server stores, serves, keeps in its arena and writes to disk::
 
     header'   128 bytes: the record's header (hicache.codec) with magic ``HKVS`` and the
-              checksum field zeroed; readable (namespace, key digest, shape, lengths) so the
-              server can still clear by namespace and count pages
+              checksum field encrypted (below); readable (namespace, key digest, shape,
+              lengths) so the server can still clear by namespace and count pages
     nonce     12 random bytes
     sealed    the payload, encrypted, then the 16-byte GCM tag
 
 The associated data is header' and the page key, so a sealed record moved under another key,
-or with any header byte changed, does not open. The tag replaces the checksum (a checksum of
-the plaintext in the clear would confirm a guessed page); `open_into` writes the record back
-with magic ``HKVP`` and its checksum recomputed, so the caller checks it as any record.
+or with any header byte changed, does not open. The tag replaces the checksum as the reader's
+check (a checksum of the plaintext in the clear would confirm a guessed page): the plain
+record's checksum travels encrypted in header's checksum field, XORed with the first 8 bytes
+of AES-256(key, nonce || 0x00000000), a counter block GCM never uses for that nonce (its tag
+block is nonce || 1, its data blocks count from 2), so `open_into` writes the record back with
+magic ``HKVP`` and its checksum without another pass over the payload. A record sealed before
+this (checksum field zero) has its checksum recomputed.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hicache.codec import HEADER_BYTES, RECORD_MAGIC, checksum_v2
@@ -51,6 +57,15 @@ class Sealer:
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
+        self._block = Cipher(algorithms.AES(key), modes.ECB())
+        self._local = threading.local()  # per thread: an ECB encryptor (not thread-safe)
+
+    def _pad(self, nonce: bytes | memoryview) -> bytes:
+        """The 8 bytes the checksum is XORed with: AES(key, nonce || counter 0)."""
+        enc = getattr(self._local, "enc", None)
+        if enc is None:
+            enc = self._local.enc = self._block.encryptor()
+        return bytes(enc.update(bytes(nonce) + b"\0\0\0\0")[:8])
 
     @staticmethod
     def refuses(header: memoryview) -> str | None:
@@ -69,8 +84,11 @@ class Sealer:
             raise ValueError(problem)
         out[:HEADER_BYTES] = header
         out[:4] = SEALED_MAGIC
-        out[_SUM_AT:HEADER_BYTES] = bytes(8)
         nonce = os.urandom(NONCE_BYTES)
+        total = int.from_bytes(header[_SUM_AT:HEADER_BYTES], "little")
+        enc_sum = total ^ int.from_bytes(self._pad(nonce), "little")
+        # (0 is left for records sealed without it: a 2**-64 chance, then it is recomputed)
+        out[_SUM_AT:HEADER_BYTES] = enc_sum.to_bytes(8, "little")
         out[HEADER_BYTES:HEADER_BYTES + NONCE_BYTES] = nonce
         aad = bytes(out[:HEADER_BYTES]) + key.encode()
         self._aead.encrypt_into(nonce, payload, aad, out[HEADER_BYTES + NONCE_BYTES:])
@@ -92,6 +110,10 @@ class Sealer:
             return "sealed record does not open under this encryption_key (or was altered)"
         out[:HEADER_BYTES] = head
         out[:4] = RECORD_MAGIC
-        out[_SUM_AT:HEADER_BYTES] = checksum_v2(out[:HEADER_BYTES],
-                                                out[HEADER_BYTES:]).to_bytes(8, "little")
+        enc_sum = int.from_bytes(head[_SUM_AT:], "little")
+        if enc_sum:
+            total = enc_sum ^ int.from_bytes(self._pad(nonce), "little")
+        else:  # sealed before the checksum travelled encrypted: one pass more
+            total = checksum_v2(out[:HEADER_BYTES], out[HEADER_BYTES:])
+        out[_SUM_AT:HEADER_BYTES] = total.to_bytes(8, "little")
         return None

@@ -160,3 +160,41 @@ def test_seal_and_open_in_memory() -> None:
     with pytest.raises(ValueError):
         s.seal_into(keys[0], memoryview(bytes(HEADER_BYTES)), rec[HEADER_BYTES:],
                     memoryview(sealed))
+
+
+def test_the_checksum_travels_encrypted_and_older_records_still_open() -> None:
+    """The sealed header holds the checksum XORed with a pad only the key makes (neither the
+    plaintext checksum nor zero); changing it makes the record not open; a record sealed
+    before (checksum field zero) opens with its checksum recomputed."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from hicache.codec import verify_record
+
+    keys, recs = pages("sum", 1, 4096)
+    s = Sealer(bytes.fromhex(KEY))
+    rec = memoryview(recs[0])
+    sealed = bytearray(len(rec) + OVERHEAD)
+    s.seal_into(keys[0], rec[:HEADER_BYTES], rec[HEADER_BYTES:], memoryview(sealed))
+    field = bytes(sealed[HEADER_BYTES - 8:HEADER_BYTES])
+    assert field not in (bytes(8), bytes(rec[HEADER_BYTES - 8:HEADER_BYTES]))
+    out = bytearray(len(rec))
+    assert s.open_into(keys[0], memoryview(sealed), memoryview(out)) is None
+    assert out == recs[0]
+    verify_record(memoryview(out), keys[0])  # a valid record, checksum included
+    altered = bytearray(sealed)
+    altered[HEADER_BYTES - 1] ^= 1
+    assert s.open_into(keys[0], memoryview(altered), memoryview(out)) == \
+        "sealed record does not open under this encryption_key (or was altered)"
+    # A record sealed with the checksum field zeroed (the format before): one pass more.
+    old = bytearray(len(rec) + OVERHEAD)
+    old[:HEADER_BYTES] = rec[:HEADER_BYTES]
+    old[:4] = SEALED_MAGIC
+    old[HEADER_BYTES - 8:HEADER_BYTES] = bytes(8)
+    nonce = b"\x07" * 12
+    old[HEADER_BYTES:HEADER_BYTES + 12] = nonce
+    AESGCM(bytes.fromhex(KEY)).encrypt_into(nonce, rec[HEADER_BYTES:],
+                                           bytes(old[:HEADER_BYTES]) + keys[0].encode(),
+                                           memoryview(old)[HEADER_BYTES + 12:])
+    out2 = bytearray(len(rec))
+    assert s.open_into(keys[0], memoryview(old), memoryview(out2)) is None
+    assert out2 == recs[0]
