@@ -240,3 +240,29 @@ def test_real_trace_reads(mooncake_trace: Path) -> None:
     assert tr.format == "mooncake" and len(tr.requests) == 12031 and tr.bad_lines == 0
     first = json.loads(mooncake_trace.read_text().split("\n", 1)[0])
     assert tr.requests[0].input_len == first["input_length"]
+
+
+def test_progress_bar_counts_every_byte_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`progress=True` shows a bar of the bytes read on stderr, ending at the file's size; the
+    trace read is the same as without it."""
+    from tqdm import tqdm
+
+    reqs = [([i, i + 1, i + 2], 0) for i in range(0, 3000, 3)]
+    path = write_jsonl(tmp_path / "t.jsonl", mooncake_rows(reqs, 16, output=4))
+    size = path.stat().st_size
+    assert size > 1 << 16
+    plain = read_trace(path, block_size=16)
+    capsys.readouterr()
+    shown = read_trace(path, block_size=16, progress=True)
+    err = capsys.readouterr().err
+    assert "reading: 100%" in err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    want = tqdm.format_sizeof(size)  # as the bar prints it (3 significant digits)
+    assert f"{want}/{want}" in last, last
+    assert shown.count == plain.count == len(reqs)
+    assert [r.blocks for r in shown.requests] == [r.blocks for r in plain.requests]
+    # Off: nothing on stderr.
+    read_trace(path, block_size=16, progress=False)
+    assert capsys.readouterr().err == ""

@@ -53,6 +53,7 @@ def read_arrays(args: argparse.Namespace) -> tuple[Any, Any, list[str], bool, fl
         limit=args.limit,
         limits=Limits(args.max_request_tokens, args.max_line_bytes),
         sink=sink,
+        progress=False if args.no_progress else None,
     )
     if not trace.count:
         raise HiCacheError(f"{args.trace}: no requests")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,11 +112,12 @@ class _LineTooLong(Exception):
 
 
 def _iter_lines(
-    path: Path, max_line_bytes: int = MAX_LINE_BYTES
+    path: Path, max_line_bytes: int = MAX_LINE_BYTES, bar: Any = None
 ) -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
     """Non-blank lines with their 1-based numbers; a line that is not UTF-8 comes as the
     decode error, one longer than `max_line_bytes` as `_LineTooLong` (read past, never held
-    whole), so the reader can name (or skip) that very line."""
+    whole), so the reader can name (or skip) that very line. `bar`: a tqdm bar in bytes, moved
+    on every 4 MiB read and at the end of the file."""
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
@@ -126,8 +128,14 @@ def _iter_lines(
         raise TraceError(path, None, f"cannot open: {e.strerror}") from None
     with fh:
         lineno = 0
+        unshown = 0  # bytes read and not yet on the bar
         while raw := fh.readline(max_line_bytes + 1):
             lineno += 1
+            if bar is not None:
+                unshown += len(raw)
+                if unshown >= 1 << 22:
+                    bar.update(unshown)
+                    unshown = 0
             if len(raw) > max_line_bytes:
                 while not raw.endswith(b"\n") and (raw := fh.readline(1 << 20)):
                     pass
@@ -139,6 +147,22 @@ def _iter_lines(
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield lineno, e
+        if bar is not None:
+            bar.update(unshown)
+
+
+def _bytes_bar(files: Sequence[Path], enabled: bool | None) -> Any:
+    """A tqdm bar over the files' bytes on stderr, or None (`enabled` None: when stderr is a
+    terminal)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    return tqdm(total=total, desc="reading", unit="B", unit_scale=True, file=sys.stderr,
+                mininterval=0.5)
 
 
 def _int(obj: dict[str, Any], key: str, minimum: int = 0, maximum: int | None = None) -> int:
@@ -380,6 +404,7 @@ def read_trace(
     limits: Limits | None = None,
     files: Sequence[Path] | None = None,
     sink: Callable[[Request], None] | None = None,
+    progress: bool | None = False,
 ) -> Trace:
     """Reads a whole trace. `fmt="auto"` detects the format from the first valid line.
 
@@ -393,7 +418,8 @@ def read_trace(
     `Trace.requests`, which is then empty and `Trace.count` says how many there were (a stream:
     `arrays.BlockSink` keeps only their block ids); token-trace requests are kept as usual.
     Mooncake requests reach the sink with their raw `hash_ids` (the sink makes them dense, and
-    `Trace.num_blocks` is then 0).
+    `Trace.num_blocks` is then 0). `progress`: a bar of the bytes read on stderr (None: when
+    stderr is a terminal).
     """
     path = Path(path)
     limits = limits or Limits()
@@ -425,11 +451,17 @@ def read_trace(
             bad_numbers.append(lineno)
         logger.debug("%s:%d: skipped: %s", current, lineno, msg)
 
+    bar = _bytes_bar(files, progress)
+
     def lines() -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
         nonlocal current
-        for f in files:
-            current = f
-            yield from _iter_lines(f, limits.max_line_bytes)
+        try:
+            for f in files:
+                current = f
+                yield from _iter_lines(f, limits.max_line_bytes, bar)
+        finally:
+            if bar is not None:
+                bar.close()
 
     for lineno, line in lines():
         if limit is not None and count >= limit:
