@@ -106,28 +106,15 @@ class Transfer(ABC):
     nothing, `ProbingTransfer` wraps either for the prefetch worker's L3 probes.
 
     Every capability the controller uses is a member here, with the default of a transfer that
-    lacks it; the controller calls these members and never probes an object for attributes."""
+    lacks it; the controller calls these members and never probes an object for attributes.
+    The four facts below are fixed when a transfer is made (its pools and codec never change)."""
 
-    @property
-    def bytes_per_token(self) -> int | None:
-        """KV bytes of one token in the pools; None: this transfer moves no bytes (simulated),
-        so there is no cost model to feed."""
-        return None
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per device page."""
-        return 1
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes of one L3 page record (0: no L3 codec)."""
-        return 0
-
-    @property
-    def pipelined_reads(self) -> bool:
-        """`read_batch` works: a large prefetch may be split over reader threads."""
-        return False
+    # KV bytes of one token in the pools; None: this transfer moves no bytes (simulated), so
+    # there is no cost model to feed.
+    bytes_per_token: int | None = None
+    page_size: int = 1  # tokens per device page
+    record_bytes: int = 0  # bytes of one L3 page record (0: no L3 codec)
+    pipelined_reads: bool = False  # `read_batch` works: a prefetch may split over reader threads
 
     @abstractmethod
     def device_to_host(

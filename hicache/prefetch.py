@@ -331,22 +331,10 @@ class ProbingTransfer(Transfer):
 
     def __init__(self, inner: Transfer) -> None:
         self.inner = inner
-
-    @property
-    def bytes_per_token(self) -> int | None:
-        return self.inner.bytes_per_token
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
-
-    @property
-    def record_bytes(self) -> int:
-        return self.inner.record_bytes
-
-    @property
-    def pipelined_reads(self) -> bool:
-        return self.inner.pipelined_reads
+        self.bytes_per_token = inner.bytes_per_token
+        self.page_size = inner.page_size
+        self.record_bytes = inner.record_bytes
+        self.pipelined_reads = inner.pipelined_reads
 
     def device_to_host(
         self, device_pages: Sequence[int], host_pages: Sequence[int], ready: Event | None = None

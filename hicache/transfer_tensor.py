@@ -44,22 +44,10 @@ class TensorTransfer(Transfer):
         self._mover = PageMover(device, host) if host is not None else None
         self._local = threading.local()
         self._template: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.device.bytes_per_token
-
-    @property
-    def page_size(self) -> int:
-        return self.device.page_size
-
-    @property
-    def record_bytes(self) -> int:
-        return self.codec.record_bytes if self.codec is not None else 0
-
-    @property
-    def pipelined_reads(self) -> bool:
-        return True
+        self.bytes_per_token = device.bytes_per_token
+        self.page_size = device.page_size
+        self.record_bytes = codec.record_bytes if codec is not None else 0
+        self.pipelined_reads = True
 
     @property
     def mover(self) -> PageMover:
