@@ -5,6 +5,7 @@ SIGHUP and by the admin call, and a removed token is refused from the next reque
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -64,11 +65,16 @@ def write_tenants(path: Path, a_tokens: list[str]) -> Path:
     return path
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
+def tenants_server(tmp_path: Path) -> contextlib.AbstractContextManager[HiCacheServerProc]:
+    """A server with the two tenants (A holding TOK_A), an admin token and persistence."""
     tfile = write_tenants(tmp_path / "tenants.toml", [TOK_A])
     args = ["--tenants-file", str(tfile), "--admin-token", ADMIN]
-    with hicache_server(tmp_path, persist_dir=tmp_path / "persist", args=args) as srv:
+    return hicache_server(tmp_path, persist_dir=tmp_path / "persist", args=args)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
+    with tenants_server(tmp_path) as srv:
         yield srv
 
 

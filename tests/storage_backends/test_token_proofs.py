@@ -29,7 +29,7 @@ from tests.storage_backends.hicache_server_proc import (
     hicache_server,
     pages,
 )
-from tests.storage_backends.test_tenants import ADMIN, TOK_A, TOK_B, write_tenants
+from tests.storage_backends.test_tenants import ADMIN, TOK_A, TOK_B, tenants_server
 
 KEY = "44" * 32
 N = 4
@@ -87,11 +87,9 @@ class Relay:
             s.close()
 
 
-@pytest.fixture
-def tenants_server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
-    tfile = write_tenants(tmp_path / "tenants.toml", [TOK_A])
-    args = ["--tenants-file", str(tfile), "--admin-token", ADMIN]
-    with hicache_server(tmp_path, persist_dir=tmp_path / "persist", args=args) as srv:
+@pytest.fixture(name="tenants_server")
+def _tenants_server(tmp_path: Path) -> Iterator[HiCacheServerProc]:
+    with tenants_server(tmp_path) as srv:
         yield srv
 
 
