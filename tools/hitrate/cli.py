@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from hicache.errors import ConfigError, HiCacheError
+from hicache.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
-from tools.hitrate.inputs import kv_bytes_option, read_arrays
+from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command
 from tools.hitrate.options import build_parser
 from tools.hitrate.sizes import to_pages
 from tools.hitrate.sweep import parse_sizes, run_sweep
@@ -301,16 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         from tools.hitrate import plan
 
         return plan.main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        doc = run(args)
-    except HiCacheError as e:
-        print(f"hicache-hitrate: error: {e}", file=sys.stderr)
+    args = build_parser().parse_args(argv)
+    doc = run_command("hicache-hitrate", args, run)
+    if doc is None:
         return 2
     from tools.hitrate import report
 

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hicache.errors import ConfigError, HiCacheError
@@ -67,3 +70,17 @@ def read_arrays(args: argparse.Namespace) -> tuple[Any, Any, list[str], bool, fl
         arrs = from_trace(trace, page_size, ignore_output=args.ignore_output)
     t_read = time.perf_counter() - t0
     return trace, arrs, notes, streamed, t_read
+
+
+def run_command(
+    prog: str, args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """An entry point's body: logging by `--verbose`, then `run(args)`; a `HiCacheError` is one
+    line on stderr (`PROG: error: ...`) and None (the caller exits 2)."""
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except HiCacheError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None

@@ -13,7 +13,6 @@ and printed beside the estimate. See docs/hitrate.md, "Capacity planning".
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -21,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from hicache import units
-from hicache.errors import ConfigError, HiCacheError
+from hicache.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.options import add_model_args, add_trace_args
 from tools.hitrate.sizes import to_pages
@@ -390,19 +389,17 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from tools.hitrate.inputs import run_command
+    from tools.hitrate.report import write_json
+
     args = build_plan_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        doc = run(args)
-    except HiCacheError as e:
-        print(f"hicache-hitrate plan: error: {e}", file=sys.stderr)
+    doc = run_command("hicache-hitrate plan", args, run)
+    if doc is None:
         return 2
     if args.plot:
         plot(doc, args.plot)
     if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        write_json(doc, sys.stdout)
     else:
         print_plan(doc)
         if args.plot:
