@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,18 @@ def mooncake_trace() -> Path:
     """The Mooncake conversation trace shipped in the repository (traces/README.md)."""
     assert MOONCAKE_TRACE.is_file(), f"the repository's trace is missing: {MOONCAKE_TRACE}"
     return MOONCAKE_TRACE
+
+
+def prefix_trace(path: Path, *, seed: int, requests: int, roots: int, max_blocks: int,
+                 one_offs: bool = False) -> Path:
+    """A Mooncake trace (block 16, 5 output tokens) of `requests` random prefixes of `roots`
+    shared chains (1 to `max_blocks - 1` blocks each); `one_offs`: each followed by a request
+    of one block never seen again."""
+    rng = random.Random(seed)
+    reqs: list[tuple[list[int], int]] = []
+    for _ in range(requests):
+        root = rng.randrange(roots)
+        reqs.append(([root * 100 + k for k in range(rng.randrange(1, max_blocks))], 0))
+        if one_offs:
+            reqs.append(([1000 + len(reqs)], 0))
+    return write_jsonl(path, mooncake_rows(reqs, 16, output=5))

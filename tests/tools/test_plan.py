@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.tools.conftest import REPO, mooncake_rows, write_jsonl
+from tests.tools.conftest import REPO, prefix_trace
 from tools.hitrate.cli import main
 from tools.hitrate.plan import build_plan_parser, choose, frontier
 
@@ -20,12 +19,7 @@ PAGE = 16 * KVB
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    rng = random.Random(11)
-    reqs = []
-    for _ in range(200):
-        root = rng.randrange(12)
-        reqs.append(([root * 100 + k for k in range(rng.randrange(1, 8))], 0))
-    return write_jsonl(tmp_path / "t.jsonl", mooncake_rows(reqs, 16, output=5))
+    return prefix_trace(tmp_path / "t.jsonl", seed=11, requests=200, roots=12, max_blocks=8)
 
 
 def plan_args(trace: Path, *extra: str) -> list[str]:

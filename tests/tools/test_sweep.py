@@ -4,13 +4,12 @@ the exact replay of its configuration."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from hicache.errors import ConfigError
-from tests.tools.conftest import mooncake_rows, write_jsonl
+from tests.tools.conftest import prefix_trace
 from tools.hitrate.cli import main
 from tools.hitrate.sweep import parse_sizes
 
@@ -45,13 +44,8 @@ def test_parse_sizes_errors(text: str, msg: str) -> None:
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    rng = random.Random(7)
-    reqs = []
-    for _ in range(150):
-        root = rng.randrange(6)
-        reqs.append(([root * 100 + k for k in range(rng.randrange(1, 6))], 0))
-        reqs.append(([1000 + len(reqs)], 0))  # a page never seen again
-    return write_jsonl(tmp_path / "t.jsonl", mooncake_rows(reqs, 16, output=5))
+    return prefix_trace(tmp_path / "t.jsonl", seed=7, requests=150, roots=6, max_blocks=6,
+                        one_offs=True)
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
