@@ -8,7 +8,7 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= test,redis,mooncake,lmcache
 PYTEST_ARGS ?=
-# SGLang, for the HiCache storage plugin in integrations/sglang and its tests (docs/sglang.md).
+# SGLang, for the HiCache storage plugin in hicache_client/sglang and its tests (docs/sglang.md).
 # Installed with --no-deps: its own requirements pull a CUDA torch, flashinfer and kernel wheels.
 # SGLANG_DEPS are the small modules its mem_cache and storage packages import at load time.
 SGLANG_SPEC ?= sglang==0.5.23
@@ -51,7 +51,7 @@ CLIENT_DIR := clients/hicache-client
 
 .PHONY: setup sysdeps run test lint bench clean client-wheel client-check
 
-$(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml clients/client_split.py
+$(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TORCH_SPEC)
@@ -89,7 +89,7 @@ test: setup sysdeps
 	LMCACHE_TRACK_USAGE=false HF_HUB_OFFLINE=1 scripts/in_netns.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check hicache storage_backends engine tools integrations tests benchmarks
+	$(BIN)/ruff check hicache hicache_client storage_backends engine tools integrations tests benchmarks
 	$(BIN)/mypy
 
 # Benchmarks run in the loopback-only namespace too (Mooncake binds every interface).

@@ -78,7 +78,7 @@ def print_table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hicache.units import parse_bytes
+    from hicache_client.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

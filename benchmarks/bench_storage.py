@@ -3,7 +3,7 @@
 For each target (benchmarks/storage_targets/*.py: `TARGETS`), record size and client count it
 measures batch_set / batch_exists / batch_get throughput (MB/s, pages/s) and p50 / p99 batch
 latency. Clients are separate processes (fork), each with its own working set of valid page
-records (hicache.storage.PageCodec), cycling over it for `--seconds` (or `--batches`) per
+records (hicache_client.backend.PageCodec), cycling over it for `--seconds` (or `--batches`) per
 operation; operations run in the order set, exists, get, every client starting each one at a
 barrier. Targets run interleaved per (size, clients) and `--repeat` times; the reported number
 is the median over repeats, and each backend is reported as a ratio of its raw baseline.
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 # `tests` package some wheel puts in site-packages shadows ours (tests.storage_backends).
 sys.path[:] = [str(REPO)] + [p for p in sys.path if p != str(REPO)]
 
-from hicache.units import parse_bytes  # noqa: E402
+from hicache_client.units import parse_bytes  # noqa: E402
 
 OPS = ("set", "exists", "get")
 # Other people's stores every target is compared with, in the same run: the best of those
@@ -107,7 +107,7 @@ def _records(client: int, keys: list[str], record_bytes: int) -> tuple[bytearray
     import numpy as np
 
     from benchmarks.storage_targets import BENCH_NAMESPACE
-    from hicache.storage import HEADER_BYTES, PageCodec
+    from hicache_client.codec import HEADER_BYTES, PageCodec
 
     codec = PageCodec(namespace=BENCH_NAMESPACE, dtype="uint8", shape=(record_bytes - HEADER_BYTES,),
                       layout="raw", tokens_per_page=1, itemsize=1)
@@ -350,9 +350,9 @@ def run_throughput(args: argparse.Namespace, targets: list[Any], tmp: Path) -> d
 
 
 def validation_mb_s(record_bytes: int, seconds: float = 0.3) -> float:
-    """How fast this machine validates records (hicache.storage.verify_record: CRC32 + key
+    """How fast this machine validates records (hicache_client.backend.verify_record: CRC32 + key
     digest), the work every batch_get adds on top of a backend's raw I/O."""
-    from hicache.storage import verify_record
+    from hicache_client.codec import verify_record
 
     key = _keys(0, 1)
     _block, (rec,) = _records(0, key, record_bytes)

@@ -66,7 +66,7 @@ def measure(page: int, ws_bytes: int, repeat: int, min_s: float) -> dict[str, li
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hicache.units import parse_bytes
+    from hicache_client.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--page-bytes", default="1MiB", help="bytes per page (default 1MiB)")

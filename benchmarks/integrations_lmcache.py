@@ -58,7 +58,7 @@ BATCH_BYTES = 8 * MiB  # chunks per put / get call: a request's worth of KV
 # Mooncake segment each client contributes, in working sets (the warm-up's and the timed one's).
 SEGMENT_FACTOR = float(os.environ.get("HICACHE_BENCH_MOONCAKE_SEGMENT_FACTOR", "2.25"))
 ADAPTER = {
-    "remote_storage_plugin.hicache.module_path": "integrations.lmcache.adapter",
+    "remote_storage_plugin.hicache.module_path": "hicache_client.lmcache.adapter",
     "remote_storage_plugin.hicache.class_name": "HiCacheConnectorAdapter",
 }
 
@@ -322,7 +322,7 @@ def ratios(rows: list[dict[str, Any]], ours: str = "hicache") -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hicache.units import parse_bytes
+    from hicache_client.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,8")

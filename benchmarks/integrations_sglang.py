@@ -1,5 +1,5 @@
 """SGLang HiCache storage backends side by side: set / get MB/s of SGLang KV pages through
-SGLang's own storage interface, our plugin (`integrations.sglang`, over `hicache-server`)
+SGLang's own storage interface, our plugin (`hicache_client.sglang`, over `hicache-server`)
 against SGLang's built-in `file` and `mooncake` backends, in one run.
 
 Every target is built by SGLang's `StorageBackendFactory` (ours as `dynamic`), given a real
@@ -100,7 +100,7 @@ def start_hicache(tmp: Path, ws_bytes: int) -> Iterator[list[Target]]:
     srv = HiCacheServerProc(tmp / "hicache", capacity=str(cap), args=["--log-level", "WARNING"])
     (tmp / "hicache").mkdir(parents=True, exist_ok=True)
     srv.start()
-    plugin = {"backend_name": "hicache", "module_path": "integrations.sglang",
+    plugin = {"backend_name": "hicache", "module_path": "hicache_client.sglang",
               "class_name": "HiCacheServerStorage", "interface_v1": 1, "url": srv.url,
               "timeout_ms": 20000}
     try:

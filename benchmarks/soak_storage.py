@@ -40,7 +40,7 @@ SHARED_PAGES = 256
 
 def _codec(record_bytes: int) -> Any:
     from benchmarks.storage_targets import BENCH_NAMESPACE
-    from hicache.storage import HEADER_BYTES, PageCodec
+    from hicache_client.codec import HEADER_BYTES, PageCodec
 
     return PageCodec(namespace=BENCH_NAMESPACE, dtype="uint8",
                      shape=(record_bytes - HEADER_BYTES,), layout="raw", tokens_per_page=32,

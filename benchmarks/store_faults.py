@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from storage_backends.hicache_store import StoreMap  # noqa: E402
+from hicache_client.remote.store import StoreMap  # noqa: E402
 from storage_backends.server.arena import Arena  # noqa: E402
 
 MiB = 1 << 20

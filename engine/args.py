@@ -20,7 +20,7 @@ from hicache.config import (
     WRITE_POLICIES,
     HiCacheConfig,
 )
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -18,8 +18,8 @@ from typing import Any
 
 from engine import args as args_mod
 from engine.args import EngineArgs
-from hicache.errors import ConfigError
 from hicache.eviction import EVICTION_POLICIES
+from hicache_client.errors import ConfigError
 
 # Fields whose valid values EngineArgs (or the core) checks against a fixed list.
 _CHOICES: dict[str, tuple[str, ...]] = {

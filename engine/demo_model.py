@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 # How long a collective waits for the other ranks before it raises (`--dist-timeout`): a rank
 # that died or diverged turns into an error on every other rank instead of a hang.

@@ -25,8 +25,8 @@ from engine.req import Req
 from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
 from engine.tp import RankFailure, collective
-from hicache.errors import CapacityError, ConfigError, HiCacheError
 from hicache.hiradix import HiRadixCache
+from hicache_client.errors import CapacityError, ConfigError, HiCacheError
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarCompiler

@@ -21,12 +21,12 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from engine.tp import RankFailure, RankProcesses, free_port
 from hicache.calibration import PROBE_BYTES, calibrate_transfers
-from hicache.errors import ConfigError
 from hicache.hiradix import HiRadixCache
-from hicache.keys import namespace_seed
 from hicache.pools import dtype_name
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
 from hicache.sync import SOLO, GroupSync, RankSync
+from hicache_client.errors import ConfigError
+from hicache_client.keys import namespace_seed
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarCompiler

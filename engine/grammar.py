@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 # The character class xgrammar writes for the characters of a bounded JSON string, and the one

@@ -47,8 +47,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from hicache.errors import ConfigError
 from hicache.events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, Tier
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

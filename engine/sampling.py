@@ -25,7 +25,7 @@ import torch
 
 from engine.logprobs import token_logprobs
 from engine.penalties import apply_penalties
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 if TYPE_CHECKING:
     from engine.grammar import Matcher

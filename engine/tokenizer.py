@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 # What a tokenizer directory holds one of (fast, sentencepiece, or BPE vocabulary files).
 _TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab.*", "merges.txt")

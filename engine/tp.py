@@ -27,7 +27,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from hicache.errors import HiCacheError
+from hicache_client.errors import HiCacheError
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs

@@ -15,7 +15,7 @@ simulation) an operation runs inline when submitted and its ack waits in the sam
 tensor parallelism (`hicache.sync`) the owner takes, per kind, only as many acks as every rank
 has, and the ranks agree on what the operations found before the tree uses it.
 
-A storage backend that raises is not retried for `storage_retry_backoff` seconds (a `hicache.backoff.Backoff`, doubling up to
+A storage backend that raises is not retried for `storage_retry_backoff` seconds (a `hicache_client.backoff.Backoff`, doubling up to
 30 s): meanwhile prefetches are not started and backups are dropped (counted). Worker threads
 catch everything: a backend error never kills a thread.
 """
@@ -30,12 +30,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from hicache.backoff import Backoff
 from hicache.costmodel import CostModel, LoadPlan
 from hicache.ops import KINDS, BackupOp, Op, PrefetchOp, Transfer, WriteOp, kind_of
 from hicache.sync import SOLO, RankSync
 from hicache.transfer import DONE, LayerDoneCounter
 from hicache.transfer_tensor import TensorTransfer, fetch_pipelined, start_readers
+from hicache_client.backoff import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class TransferController:
 
     def _storage_failed(self, what: str, e: BaseException) -> None:
         """A storage call raised: serve from L1/L2 and back off (doubling up to
-        `MAX_BACKOFF_S`); `hicache.backoff.Backoff` logs the first failure at WARNING."""
+        `MAX_BACKOFF_S`); `hicache_client.backoff.Backoff` logs the first failure at WARNING."""
         self.storage_errors += 1
         logger.debug("L3 storage %s failed: %s", what, e)
         self._breaker.failure(e)

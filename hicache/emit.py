@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, Tier, block_hash
 
 if TYPE_CHECKING:
-    from hicache.keys import KeyChain
+    from hicache.keychain import KeyChain
     from hicache.radix import TreeNode
 
 

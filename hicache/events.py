@@ -6,7 +6,7 @@ publish the events (for example over ZeroMQ in vLLM's KV-events wire format) liv
 core, in `engine/`.
 
 Every event names pages by their *block hash*: the first 8 bytes of the page's chained SHA-256
-digest (`hicache.keys`), read as a signed big-endian 64-bit integer. Two engines with the same
+digest (`hicache_client.keys`), read as a signed big-endian 64-bit integer. Two engines with the same
 model, layout and `extra_key` derive the same hashes for the same tokens, so a router can match
 the events of every instance against one request.
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import count
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 if TYPE_CHECKING:
     from hicache.radix import TreeNode

@@ -9,7 +9,7 @@ reset, close, stats, checks) and the tree operations: match, acquire (with load-
 prefetch state machine in `hicache.prefetch`, ack
 application in `hicache.acks`, the buffer_only host mode in `hicache.staging`, occupancy and
 invariant checks in `hicache.integrity` (which lists the invariants), page digests in
-`hicache.keys`, eviction candidates in `hicache.eviction`, cache events in `hicache.emit`, and
+`hicache_client.keys`, eviction candidates in `hicache.eviction`, cache events in `hicache.emit`, and
 construction helpers in `hicache.wiring`.
 
 Only one thread (the owner: the engine's scheduler) calls into this object. Background transfers
@@ -25,11 +25,10 @@ from hicache.acks import Acks
 from hicache.config import HiCacheConfig
 from hicache.controller import TransferController, WriteOp
 from hicache.emit import Emitter
-from hicache.errors import ConfigError
 from hicache.events import EventSink
 from hicache.eviction import Candidates, device_candidate, host_candidate, make_policy
 from hicache.integrity import check_integrity, state_digest, usage
-from hicache.keys import KeyChain, namespace_seed
+from hicache.keychain import KeyChain
 from hicache.pools import DeviceKVPool, HostKVPool, PageAllocator, dtype_name
 from hicache.prefetch import Prefetcher
 from hicache.prefix_cache import Acquired, InsertResult, MatchResult
@@ -37,10 +36,13 @@ from hicache.radix import RadixTree, Tokens, TreeNode, common_pages
 from hicache.sim_storage import SimStorage
 from hicache.staging import trim
 from hicache.stats import CacheStats
-from hicache.storage import BackendStats, PageCodec, StorageBackend
 from hicache.sync import SOLO, RankSync
 from hicache.transfer import LayerDoneCounter
 from hicache.wiring import host_pages_for, make_backend, make_codec, make_controller
+from hicache_client.backend import BackendStats, StorageBackend
+from hicache_client.codec import PageCodec
+from hicache_client.errors import ConfigError
+from hicache_client.keys import namespace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class HiRadixCache:
         ):
             raise ConfigError("host_memory_mode buffer_only needs a host tier and a storage tier")
         if len(self.namespace) != 32:
-            raise ConfigError("namespace must be a 32-byte seed (hicache.keys.namespace_seed)")
+            raise ConfigError("namespace must be a 32-byte seed (hicache_client.keys.namespace_seed)")
         self.tree = RadixTree(ps)
         self.chain = KeyChain(self.namespace, ps)
         self.events = Emitter(self.chain, ps)

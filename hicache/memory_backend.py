@@ -10,9 +10,9 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
-from hicache.backend import StorageBackend, StorageConfig
 from hicache.lru import LRUByteStore
-from hicache.units import parse_bytes
+from hicache_client.backend import StorageBackend, StorageConfig
+from hicache_client.units import parse_bytes
 
 
 class _Store:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from hicache.controller import TransferController
     from hicache.emit import Emitter
     from hicache.eviction import Candidates
-    from hicache.keys import KeyChain
+    from hicache.keychain import KeyChain
     from hicache.pools import PageAllocator
     from hicache.radix import RadixTree, TreeNode
     from hicache.stats import CacheStats

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from hicache.config import MEM_LAYOUTS
-from hicache.errors import CapacityError, ConfigError
-from hicache.units import kv_bytes_per_token
+from hicache_client.errors import CapacityError, ConfigError
+from hicache_client.units import kv_bytes_per_token
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -22,10 +22,10 @@ import time
 from typing import TYPE_CHECKING
 
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD
-from hicache.keys import page_keys
 from hicache.ops import BackupOp, PrefetchOp, Transfer
 from hicache.radix import Tokens, common_pages
 from hicache.staging import trim_path
+from hicache_client.keys import page_keys
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -13,8 +13,8 @@ from typing import NamedTuple, Protocol
 from hicache.pools import PageAllocator
 from hicache.radix import RadixTree, TreeNode
 from hicache.stats import CacheStats
-from hicache.storage import BackendStats
 from hicache.transfer import LayerDoneCounter
+from hicache_client.backend import BackendStats
 
 
 class MatchResult(NamedTuple):

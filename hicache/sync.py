@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hicache.errors import HiCacheError
+from hicache_client.errors import HiCacheError
 
 
 class RankDivergence(HiCacheError):

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool, HostKVPool
+from hicache_client.errors import ConfigError
 
 try:
     import triton

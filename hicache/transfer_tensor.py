@@ -15,8 +15,9 @@ import torch
 
 from hicache.ops import BackupOp, PrefetchOp, Transfer
 from hicache.pools import DeviceKVPool, HostKVPool
-from hicache.storage import HEADER_BYTES, PageCodec, StorageBackend
 from hicache.transfer import Event, LayerDoneCounter, PageMover
+from hicache_client.backend import StorageBackend
+from hicache_client.codec import HEADER_BYTES, PageCodec
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,10 @@ from hicache.controller import TensorTransfer, Transfer, TransferController
 from hicache.pools import DeviceKVPool, HostKVPool, dtype_name
 from hicache.prefetch import ProbingTransfer
 from hicache.sim_storage import SimStorage, SimTransfer
-from hicache.storage import PageCodec, StorageBackend, StorageConfig, create_backend
 from hicache.sync import SOLO, RankSync
+from hicache_client.backend import StorageBackend, StorageConfig
+from hicache_client.codec import PageCodec
+from hicache_client.registry import create_backend
 
 
 def host_pages_for(config: HiCacheConfig, device_pool: DeviceKVPool) -> int:

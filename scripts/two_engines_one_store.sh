@@ -79,8 +79,8 @@ wait_for "$WORK/engine-B.log" "hicache-engine ready" "$PID_B"
 "$PY" - "$A_PORT" "$B_PORT" "$STORE_PORT" <<'EOF'
 import json, sys, time, urllib.request
 
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.backend import StorageConfig
+from hicache_client.remote.backend import HiCacheServerBackend
 
 a, b = (f"http://127.0.0.1:{p}" for p in sys.argv[1:3])
 store = HiCacheServerBackend(StorageConfig(extra={"url": f"tcp://127.0.0.1:{sys.argv[3]}"}))

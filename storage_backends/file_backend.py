@@ -50,9 +50,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from hicache.backend import Checked, StorageBackend, StorageConfig
-from hicache.errors import ConfigError
-from storage_backends.common import byte_view, check_known_keys, parse_bytes, setting
+from hicache_client.backend import Checked, StorageBackend, StorageConfig, byte_view
+from hicache_client.backend_util import check_known_keys, setting
+from hicache_client.errors import ConfigError
+from hicache_client.units import parse_bytes
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     O_DIRECT,
@@ -85,7 +86,7 @@ def default_dir() -> Path:
 
 def page_name(key: str) -> str:
     """The file name of `key`'s record: the key itself when it is lower-case hex (8..128
-    chars, e.g. the 64-hex page keys of hicache.keys), else ``x`` + SHA-256 hex of the key."""
+    chars, e.g. the 64-hex page keys of hicache_client.keys), else ``x`` + SHA-256 hex of the key."""
     if _HEX_KEY.fullmatch(key):
         return key
     return "x" + hashlib.sha256(key.encode()).hexdigest()

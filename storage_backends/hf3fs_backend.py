@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hicache.backend import BackendStats, Checked, StorageBackend, StorageConfig
-from hicache.errors import ConfigError, StorageError
-from storage_backends.common import as_bool, byte_view, check_known_keys, leading_run
+from hicache_client.backend import BackendStats, Checked, StorageBackend, StorageConfig, byte_view
+from hicache_client.backend_util import as_bool, check_known_keys, leading_run
+from hicache_client.errors import ConfigError, StorageError
 from storage_backends.hf3fs_meta import SCHEMA, chunks, load_config, pid_alive
 from storage_backends.hf3fs_usrbio import Usrbio
 

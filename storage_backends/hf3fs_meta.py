@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.backend import StorageConfig
-from hicache.errors import ConfigError
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
 
 CONFIG_ENV = "HICACHE_HF3FS_CONFIG_PATH"
 SQL_CHUNK = 500  # keys per `IN (...)` query (SQLite's variable limit is 32766)

@@ -44,9 +44,10 @@ from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from hicache.backend import Checked, RecordChecker, StorageBackend, StorageConfig
-from hicache.errors import ConfigError, StorageError, StorageUnavailable
-from storage_backends.common import Backoff, byte_view, check_known_keys, leading_run
+from hicache_client.backend import Checked, RecordChecker, StorageBackend, StorageConfig, byte_view
+from hicache_client.backend_util import check_known_keys, leading_run
+from hicache_client.backoff import Backoff
+from hicache_client.errors import ConfigError, StorageError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 

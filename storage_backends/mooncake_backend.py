@@ -40,9 +40,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hicache.errors import ConfigError, StorageError, StorageUnavailable
-from hicache.storage import StorageBackend, StorageConfig
-from storage_backends.common import Backoff, byte_view, check_known_keys, leading_run
+from hicache_client.backend import StorageBackend, StorageConfig, byte_view
+from hicache_client.backend_util import check_known_keys, leading_run
+from hicache_client.backoff import Backoff
+from hicache_client.errors import ConfigError, StorageError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`redis`: page records in Redis or Redis Cluster (redis-py + hiredis), pipelined batches.
 
 One Redis string per page, named ``<key_prefix><page key>``; the record is self-describing
-(hicache.storage.PageCodec), so no separate metadata key exists and no hash tag is needed: in a
+(hicache_client.backend.PageCodec), so no separate metadata key exists and no hash tag is needed: in a
 cluster each page's single key lands on its own slot, which spreads pages over every node.
 (A hash tag would pin *all* pages to one slot, i.e. one node.)
 
@@ -13,7 +13,7 @@ pipeline of ``EXISTS`` / ``GET``, the run computed locally); writes are a pipeli
 
 Failure behaviour: a connection error or timeout makes the whole batch a miss (`batch_exists`
 -> 0, `batch_get` -> all False, `batch_set` -> all False), counted in `stats().errors`, and opens
-a circuit breaker (`storage_backends.common.Backoff`): further calls fail fast, without touching
+a circuit breaker (`hicache_client.backend_util.Backoff`): further calls fail fast, without touching
 the network, until the back-off delay has passed; then one call probes the server, and on
 success everything resumes. No call waits longer than `socket_timeout` (plus the connect
 timeout), and redis-py's own retries are disabled so they cannot stack up behind it.
@@ -55,9 +55,10 @@ import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from hicache.errors import ConfigError, StorageUnavailable
-from hicache.storage import StorageBackend, StorageConfig
-from storage_backends.common import Backoff, byte_view, check_known_keys, leading_run, setting
+from hicache_client.backend import StorageBackend, StorageConfig, byte_view
+from hicache_client.backend_util import check_known_keys, leading_run, setting
+from hicache_client.backoff import Backoff
+from hicache_client.errors import ConfigError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The project's shape, checked: no import circle anywhere in the five packages (imports under
+"""The project's shape, checked: no import circle anywhere in the six packages, the layers import downwards only (imports under
 TYPE_CHECKING and inside functions count), and no module past a generous ceiling (900 lines)
 unless an allowlist says why."""
 
@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("hicache", "engine", "storage_backends", "tools", "integrations")
+PACKAGES = ("hicache", "hicache_client", "engine", "storage_backends", "tools", "integrations")
 
 
 def _modules() -> dict[str, Path]:
@@ -56,6 +56,30 @@ def test_no_import_circle() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+# Each package imports only the packages below it (function-level and TYPE_CHECKING imports
+# count): hicache_client (the client wheel) imports none of ours; the core only hicache_client.
+LAYERS = {
+    "hicache_client": set(),
+    "hicache": {"hicache_client"},
+    # the engine finds backends by name (the registry), never by import
+    "engine": {"hicache_client", "hicache"},
+    # hicache-admin tokenizes `lookup --text` with the engine's tokenizer (a lazy import)
+    "storage_backends": {"hicache_client", "hicache", "engine"},
+    "tools": {"hicache_client", "hicache", "engine", "storage_backends"},
+    "integrations": {"hicache_client"},
+}
+
+
+def test_packages_import_downwards_only() -> None:
+    graph = import_graph()
+    assert set(LAYERS) == set(PACKAGES)
+    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if d.split(".")[0] != m.split(".")[0]
+                   and d.split(".")[0] not in LAYERS[m.split(".")[0]])
+    assert wrong == []
+    assert "hicache_client.codec" in graph["hicache.hiradix"]  # the graph sees these edges
 
 
 # A module holds one concept whole; it is split where concepts part, never to meet a count. Past

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from hicache.errors import StorageError
-from hicache.storage import StorageBackend, StorageConfig
+from hicache_client.backend import StorageBackend, StorageConfig
+from hicache_client.errors import StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Target:
 
 
 class BackendClient:
-    """Adapts any `hicache.storage.StorageBackend` to `Client`."""
+    """Adapts any `hicache_client.backend.StorageBackend` to `Client`."""
 
     def __init__(self, backend: StorageBackend) -> None:
         self.backend = backend

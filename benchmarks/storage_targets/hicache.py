@@ -6,7 +6,7 @@ the server's shared-memory store and writes them through its own region (no page
 TCP). `hicache-region` turns the store off (`--shm-store-bytes 0`: reads go through the region
 too, one copy more); `hicache-tcp` is the default server with a `"shm": false` client (ZeroMQ
 frames over loopback TCP). The three data paths are measured side by side. Each has a
-`-sealed` twin whose client seals every record (`encryption_key`: AES-256-GCM, hicache_seal),
+`-sealed` twin whose client seals every record (`encryption_key`: AES-256-GCM, hicache_client.remote.seal),
 so the cost of encryption is read off the same run, path by path.
 
 The server's memory capacity is HICACHE_BENCH_HICACHE_CAPACITY (default 8GiB): keep it above the
@@ -44,7 +44,7 @@ def _start(
     tmp: Path, name: str = "hicache", shm: bool = True, args: tuple[str, ...] = (),
     seal: bool = False,
 ) -> Iterator[ClientFactory]:
-    from storage_backends.hicache_backend import HiCacheServerBackend
+    from hicache_client.remote.backend import HiCacheServerBackend
 
     with _server(tmp / name, args) as (url, token):
 

@@ -11,8 +11,8 @@ import logging
 
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.attention.torch_backend import TorchAttentionBackend
-from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, ForwardBatch
-from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool
+from hicache_client.errors import ConfigError
 
 
 def triton_available() -> bool:

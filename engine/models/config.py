@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hicache.errors import ConfigError
-from hicache.units import kv_bytes_per_token as _kv_bytes
+from hicache_client.errors import ConfigError
+from hicache_client.units import kv_bytes_per_token as _kv_bytes
 
 # model_type -> (q/k/v bias by default, q/k RMSNorm)
 SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {

@@ -51,7 +51,7 @@ from engine.models.parallel import (
     split,
     vocab_piece,
 )
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default
 

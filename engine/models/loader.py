@@ -19,7 +19,7 @@ from engine.distributed import TPGroup
 from engine.models.config import ModelConfig
 from engine.models.dummy import init_dummy_weights
 from engine.models.parallel import Piece, TPModel
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.models.config import KVSpec, ModelConfig
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 
 class Piece(NamedTuple):

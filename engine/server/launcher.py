@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from engine.args import EngineArgs
 from engine.server import protocol as P
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from hicache.errors import HiCacheError
+from hicache_client.errors import HiCacheError
 
 VERSION = 1
 

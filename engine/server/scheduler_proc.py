@@ -27,7 +27,7 @@ import zmq
 from engine.args import CACHE_EXTRA_KEYS, EngineArgs
 from engine.kv_events import EventCollector, KVEventPublisher, KVEventsConfig
 from engine.server import protocol as P
-from hicache.errors import CapacityError, ConfigError, HiCacheError
+from hicache_client.errors import CapacityError, ConfigError, HiCacheError
 
 logger = logging.getLogger(__name__)
 

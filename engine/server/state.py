@@ -30,7 +30,7 @@ from engine.server.generation import Generation
 from engine.server.metrics import ServerMetrics
 from engine.server.schemas import ApiError, bad, load_json, validate
 from engine.tokenizer import Tokenizer
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 T = TypeVar("T")
 

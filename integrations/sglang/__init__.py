@@ -1,14 +1,8 @@
-"""An SGLang HiCache storage backend over our `hicache-server` (docs/sglang.md).
+"""Deprecated: use `hicache_client.sglang` (`"module_path": "hicache_client.sglang"`)."""
 
-    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
-        "backend_name": "hicache", "module_path": "integrations.sglang",
-        "class_name": "HiCacheServerStorage", "interface_v1": 1,
-        "url": "tcp://127.0.0.1:7480"}'
+from hicache_client.sglang import HiCacheServerStorage
+from integrations import warn_moved
 
-Modules: `storage` (the `HiCacheStorage` subclass), `pages` (host pool pages as bytes, page
-records), `settings` (extra config, namespace). Importing this package imports SGLang.
-"""
-
-from integrations.sglang.storage import HiCacheServerStorage
+warn_moved("integrations.sglang", "hicache_client.sglang")
 
 __all__ = ["HiCacheServerStorage"]

@@ -34,9 +34,9 @@ from typing import Any, NoReturn, TypeVar
 
 import zmq
 
-from hicache.keys import page_keys, request_seed
-from storage_backends.server import admin_protocol as A
-from storage_backends.server import protocol as P
+from hicache_client.keys import page_keys, request_seed
+from hicache_client.remote import admin_protocol as A
+from hicache_client.remote import protocol as P
 from storage_backends.server.cli import ADMIN_ENV, DEFAULT_PORT
 
 R = TypeVar("R", bound=P.Reply)
@@ -57,8 +57,8 @@ class AdminClient:
         self.url, self.token, self.timeout_ms = url, token, timeout_ms
         self._server_key = None  # Ed25519PublicKey the server's hello must be signed by
         if server_key:
-            from hicache.errors import ConfigError
-            from storage_backends.hicache_identity import parse_public_key
+            from hicache_client.errors import ConfigError
+            from hicache_client.remote.identity import parse_public_key
 
             try:
                 self._server_key = parse_public_key(server_key, "--server-public-key")
@@ -118,7 +118,7 @@ class AdminClient:
                              "and --server-public-key is set: refused")
 
     def _check_signature(self, reply: P.HelloReply, client_nonce: bytes, nonce: bytes) -> None:
-        from storage_backends import hicache_identity as identity
+        from hicache_client.remote import identity
 
         assert self._server_key is not None
         if not reply.signature:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from storage_backends.server import admin_protocol as A
-from storage_backends.server import protocol as P
+from hicache_client.remote import admin_protocol as A
+from hicache_client.remote import protocol as P
 from storage_backends.server.admin import PinLimit
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ length, key digest, XXH3 checksum), so even a missed race cannot serve wrong byt
 
 Space: a sparse file, allocated from tmpfs (`posix_fallocate`) as the high-water mark grows, so
 an arena sized like `--capacity` costs only what is stored. The header publishes that mark, so
-a client can map the allocated part ahead of use (`hicache_store.Populator`) without ever
+a client can map the allocated part ahead of use (`hicache_client.remote.store.Populator`) without ever
 allocating the rest. A record that finds no run of free
 blocks (or no tmpfs space) stays in the server's heap like a page received over TCP, and is
 read through the older paths (`shm_get`, TCP frames): the arena is an accelerator, never a
@@ -41,15 +41,18 @@ import resource
 import secrets
 import struct
 
+from hicache_client.remote.shm_files import (
+    ALLOCATED_AT,
+    BLOCK,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PREFIX,
+    SHM_DIR,
+)
+
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-BLOCK = 4096
-HEADER = struct.Struct("<8sQQQQ")  # magic, arena id, block bytes, table bytes, data bytes
-ALLOCATED_AT = HEADER.size  # u64: data bytes (from the data start) tmpfs space is reserved for
-HEADER_BYTES = 64
-MAGIC = b"HCARENA1"
-NAME_PREFIX = "hicache-store-"
 _CLEAR = 16  # bytes cleared at the start of every slot handed out
 _STALE_NAME = re.compile(re.escape(NAME_PREFIX) + r"(\d+)-[0-9a-f]+")
 

@@ -7,7 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from hicache.units import parse_bytes
+from hicache_client.units import parse_bytes
 
 AUTH_ENV = "HICACHE_SERVER_AUTH_TOKEN"
 ADMIN_ENV = "HICACHE_SERVER_ADMIN_TOKEN"
@@ -82,8 +82,8 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         parser.error(f"--tenants-file and --auth-token (or {AUTH_ENV}) exclude each other: "
                      "with a tenants file every data token is a tenant's")
     if args.generate_server_key is not None:
-        from hicache.errors import ConfigError
-        from storage_backends.hicache_identity import generate_key_file
+        from hicache_client.errors import ConfigError
+        from hicache_client.remote.identity import generate_key_file
 
         try:
             pub = generate_key_file(args.generate_server_key)
@@ -94,8 +94,8 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
                     f"{args.generate_server_key}.pub (the public key, printed above: clients "
                     "pin it as server_public_key)\n")
     if args.server_key is not None:
-        from hicache.errors import ConfigError
-        from storage_backends.hicache_identity import load_private_key
+        from hicache_client.errors import ConfigError
+        from hicache_client.remote.identity import load_private_key
 
         try:
             load_private_key(args.server_key)
@@ -131,7 +131,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
 
 def parse_size(text: str) -> int:
     """Bytes in `text`: `4096`, `512MiB`, `8GiB`, `1TiB` (binary), `8GB` (decimal), `8G` (binary)
-    (`hicache.units.parse_bytes`, the project's one size parser)."""
+    (`hicache_client.units.parse_bytes`, the project's one size parser)."""
     return parse_bytes(text)
 
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import zmq
 
+from hicache_client.remote import protocol as P
+from hicache_client.remote.malloc import tune_malloc
 from storage_backends.server import admin_ops
-from storage_backends.server import protocol as P
 from storage_backends.server.arena import Arena, supported
 from storage_backends.server.budget import ReplyBudget, cap_reply
 from storage_backends.server.cli import (  # noqa: F401 - re-exported
@@ -36,7 +37,6 @@ from storage_backends.server.cli import (  # noqa: F401 - re-exported
     config_from_args,
     parse_size,
 )
-from storage_backends.server.malloc import tune_malloc
 from storage_backends.server.metrics import Metrics
 from storage_backends.server.shm import ShmAttachments, copy_out, records_in
 from storage_backends.server.store import nbytes
@@ -78,7 +78,7 @@ class HiCacheServer:
                         if config.tenants_file else None)
         self._server_key = None  # Ed25519PrivateKey: signs hello replies (--server-key)
         if config.server_key:
-            from storage_backends.hicache_identity import load_private_key
+            from hicache_client.remote.identity import load_private_key
 
             self._server_key = load_private_key(config.server_key)
         self._reload_asked = threading.Event()  # SIGHUP: reload the tenants file in the loop
@@ -387,7 +387,7 @@ class HiCacheServer:
         proof = "" if token is None else P.server_proof(token, nonce, client_nonce)
         signature = ""
         if self._server_key is not None:
-            from storage_backends import hicache_identity as identity
+            from hicache_client.remote import identity
 
             signature = identity.sign(self._server_key, identity.transcript(
                 req.token_id, client_nonce, nonce, proof))

@@ -23,36 +23,20 @@ import logging
 import mmap
 import os
 import re
-import stat
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
+from hicache_client.remote.shm_files import SHM_DIR, private_file_problem
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
 def _refuse(message: str, rid: int) -> P.ProtocolError:
     return P.ProtocolError(P.ErrorCode.NO_SHM, message, rid)
-
-
-def private_file_problem(st: os.stat_result, size: int) -> str | None:
-    """Why an opened file in /dev/shm may not be mapped by a peer of this user (it must be a
-    regular file of this user, mode 0600, of exactly `size` bytes), or None. Used by the server
-    for a client's region and by the client for the server's store."""
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if st.st_uid != os.geteuid():
-        return "belongs to another user"
-    if st.st_mode & 0o077:
-        return "is readable by others (mode must be 0600)"
-    if st.st_size != size:
-        return f"is {st.st_size} bytes, not {size}"
-    return None
 
 
 class Region:

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from hicache.codec import RECORD_MAGIC
 from hicache.lru import LRUByteStore
+from hicache_client.codec import RECORD_MAGIC
 from storage_backends.server.admin import Pins, ReadLeases
 from storage_backends.server.arena import Arena, ArenaSlot
 
@@ -37,13 +37,13 @@ def nbytes(value: Value) -> int:
     return value.nbytes if isinstance(value, memoryview) else len(value)
 
 
-# Where a page record names its namespace (hicache.codec: magic 4s, version H, header_len H,
+# Where a page record names its namespace (hicache_client.codec: magic 4s, version H, header_len H,
 # then the 32-byte namespace seed), read by the namespace-scoped clear.
 _NS_AT = struct.calcsize("<4sHH")
 _NS_END = _NS_AT + 32
 
 
-# A page record's magic, plain or sealed (storage_backends.hicache_seal: the header stays
+# A page record's magic, plain or sealed (hicache_client.remote.seal: the header stays
 # readable, so a sealed record names its namespace the same way).
 _MAGICS = (RECORD_MAGIC, b"HKVS")
 
@@ -278,7 +278,7 @@ class WriteBehind:
         capacity_bytes: int = 0,
         batch_pages: int = 64,
     ) -> None:
-        from hicache.storage import StorageConfig
+        from hicache_client.backend import StorageConfig
         from storage_backends.file_backend import FileBackend
 
         if max_pending < 1:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage_backends.server.protocol import token_id
+from hicache_client.remote.protocol import token_id
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from engine.kv_events import (
     decode_batch,
     encode_batch,
 )
-from hicache.errors import ConfigError
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from hicache_client.errors import ConfigError
 from tests.procs import free_port
 
 try:  # vLLM's own struct definitions (vllm/distributed/kv_events.py, array_like variant)

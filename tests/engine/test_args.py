@@ -6,7 +6,7 @@ import pytest
 
 from engine.args import EngineArgs
 from hicache.config import DEFAULT_PAGE_SIZE
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 
 def test_defaults_follow_sglang() -> None:

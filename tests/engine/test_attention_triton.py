@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="the triton attention backend needs the tri
 
 from engine.attention import ForwardBatch, make_attention_backend  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from hicache.errors import ConfigError  # noqa: E402
 from hicache.pools import DeviceKVPool  # noqa: E402
+from hicache_client.errors import ConfigError  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 HEAD_DIM = 32

@@ -12,7 +12,7 @@ import pytest
 
 from engine.engine import Engine
 from hicache.calibration import MIN_PROBE_PAGES, probe_keys
-from hicache.codec import HEADER_BYTES
+from hicache_client.codec import HEADER_BYTES
 
 PAGE = 4
 POOL_TOKENS = 1024
@@ -67,7 +67,7 @@ def test_host_tier_only_and_no_tier(tiny_model: Path) -> None:
 
 def test_a_backend_that_cannot_be_probed_leaves_l3_unmeasured(tiny_model: Path) -> None:
     from hicache.memory_backend import MemoryBackend
-    from hicache.storage import register_backend
+    from hicache_client.registry import register_backend
 
     class ReadOnly(MemoryBackend):
         def batch_set(self, keys: Any, values: Any) -> list[bool]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.engine import Engine
-from hicache.storage import register_backend
+from hicache_client.registry import register_backend
 from storage_backends.file_backend import FileBackend
 from tests.hicache.test_transfer_cost import ThrottledBackend
 

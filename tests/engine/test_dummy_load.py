@@ -16,7 +16,7 @@ from engine.engine import Engine
 from engine.models.config import ModelConfig, kv_bytes_per_token
 from engine.models.dummy import INIT_STD, shipped_configs
 from engine.models.loader import build_model, load_model
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.engine import Engine
-from hicache.errors import CapacityError, ConfigError
+from hicache_client.errors import CapacityError, ConfigError
 
 
 def _prompts(n: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:

@@ -15,7 +15,7 @@ import torch
 from engine.model_runner import ModelRunner
 from engine.models import ModelConfig, load_model
 from engine.models.config import kv_bytes_per_token
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 # Small DeepSeek shapes: 3 layers (one dense, two MoE), 4 heads, latent 32 + 8.
 MLA_BASE: dict[str, Any] = {

@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.attention import ForwardBatch, make_attention_backend
 from engine.models import ModelConfig, load_model, model_fingerprint
 from engine.models.loader import weight_files
-from hicache.errors import ConfigError
 from hicache.pools import DeviceKVPool
+from hicache_client.errors import ConfigError
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),

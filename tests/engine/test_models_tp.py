@@ -22,7 +22,7 @@ from safetensors import safe_open
 from engine.distributed import TPGroup
 from engine.model_runner import ModelRunner
 from engine.models import load_model
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.engine.test_mla_models import MLA_CASES, runner_logits
 from tests.procs import free_port
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams, sample
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 PROMPT = list(range(40, 72))
 

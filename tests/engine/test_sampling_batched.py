@@ -14,7 +14,7 @@ import torch
 from engine.logprobs import token_logprobs
 from engine.penalties import apply_penalties, token_counts
 from engine.sampling import Sampler, SamplingParams, sample
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 V = 64
 EOS = {1, 2}

@@ -17,7 +17,7 @@ import torch
 from engine.demo_model import ensure_demo_model
 from engine.grammar import GrammarCompiler, Matcher
 from engine.sampling import Sampler, SamplingParams
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

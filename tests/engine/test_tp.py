@@ -18,8 +18,8 @@ import torch
 
 from engine.engine import Engine
 from engine.tp import RankFailure
-from hicache.codec import HEADER_BYTES
-from hicache.keys import namespace_seed
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.keys import namespace_seed
 from tests.engine.tp_faults import RankOneFailsToBuild
 from tests.engine.workload import make_sessions, run_sessions
 
@@ -255,7 +255,7 @@ def test_mla_tp2_writes_l3_once_and_every_rank_reads_it(
 def test_tp_on_too_few_gpus_is_refused_with_the_count(tiny_model: Path) -> None:
     """Two ranks on one GPU: a clear ConfigError before any rank starts (NCCL would refuse two
     ranks on one device, or rank 1 would ask for a cuda:1 that does not exist)."""
-    from hicache.errors import ConfigError
+    from hicache_client.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"tp_size 2 needs 2 CUDA devices from cuda:0; 1 visible"):
         Engine(**{**_args(tiny_model, tp_size=2), "device": "cuda"})

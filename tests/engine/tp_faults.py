@@ -13,8 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.engine import Engine
-from hicache.backend import Checked
-from hicache.storage import StorageConfig
+from hicache_client.backend import Checked, StorageConfig
 from storage_backends.file_backend import FileBackend
 
 FAULTS = ("raise", "slow", "start")

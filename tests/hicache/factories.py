@@ -11,7 +11,7 @@ from hicache.hiradix import HiRadixCache
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool
 from hicache.simulation import SimStorage
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
 
 
 def sim_cache(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.hicache.factories import run_request, sim_cache, tensor_cache
 from tools.hitrate.cli import main
 

@@ -4,8 +4,8 @@ import zlib
 import pytest
 import xxhash
 
-from hicache.errors import StorageCorrupt
-from hicache.storage import HEADER_BYTES, RECORD_VERSION, PageCodec, verify_record
+from hicache_client.codec import HEADER_BYTES, RECORD_VERSION, PageCodec, verify_record
+from hicache_client.errors import StorageCorrupt
 
 NS = bytes(range(32))
 
@@ -146,7 +146,7 @@ def test_checksum_false_skips_only_the_checksum():
 def test_version_1_record_reads_through_a_backend():
     """A store filled before the XXH3 records keeps serving its pages."""
     from hicache.memory_backend import MemoryBackend
-    from hicache.storage import StorageConfig
+    from hicache_client.backend import StorageConfig
 
     b = MemoryBackend(StorageConfig(namespace=NS.hex()))
     b.raw_put(V1_KEY, V1_RECORD)

@@ -1,9 +1,10 @@
 import pytest
 
 from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
 from hicache.eviction import EVICTION_POLICIES, make_policy
-from hicache.storage import StorageConfig, create_backend, known_backends
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
+from hicache_client.registry import create_backend, known_backends
 
 
 @pytest.mark.parametrize("kwargs,msg", [
@@ -43,32 +44,49 @@ def test_unknown_backend_lists_known():
     assert "memory" in known_backends()
 
 
-def test_source_tree_backends_equal_the_entry_points():
-    """`storage_backends.BACKENDS` (the stand-in for uninstalled metadata) names exactly the
-    distribution's entry points."""
+def test_each_backend_is_declared_once_and_installed_as_declared():
+    """The pyproject files' entry points are the one list of backends: each name is declared by
+    exactly one distribution, and the installed metadata holds exactly those."""
+    from importlib import metadata
     from pathlib import Path
 
     import tomllib
 
-    import storage_backends
+    from hicache_client import registry
 
-    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    eps = dict(project["project"]["entry-points"]["hicache.storage_backends"])
-    assert eps.pop("memory") == "hicache.memory_backend:MemoryBackend"
-    assert eps == storage_backends.BACKENDS
+    root = Path(__file__).parents[2]
+    tables = [tomllib.loads((root / rel).read_text())["project"]["entry-points"]
+              [registry.ENTRY_POINT_GROUP] for rel in registry._SOURCE_TREE_PYPROJECTS]
+    assert [sorted(t) for t in tables] == [
+        ["file", "hf3fs", "lmcache", "memory", "mooncake", "redis"], ["hicache"]]
+    installed = {ep.name: ep.value
+                 for ep in metadata.entry_points(group=registry.ENTRY_POINT_GROUP)}
+    assert installed == {**tables[0], **tables[1]}
+    assert registry._source_tree() == installed
+
+
+class _NoMetadata:
+    @staticmethod
+    def entry_points(group: str) -> list[object]:
+        return []
 
 
 def test_backends_found_by_name_without_installed_metadata(monkeypatch: pytest.MonkeyPatch):
     """A source tree run in place (no entry points installed: the H200 run of issue 29 failed
-    every `file`-backed engine test on 'unknown storage backend') finds the tree's backends."""
-    from hicache import registry
+    every `file`-backed engine test on 'unknown storage backend') finds the tree's backends in
+    its pyproject files."""
+    from hicache_client import registry
     from storage_backends.file_backend import FileBackend
 
-    monkeypatch.setattr(registry, "_entry_points", dict)
+    monkeypatch.setattr(registry, "metadata", _NoMetadata)
     monkeypatch.setattr(registry, "_registered", {})  # (other tests' run-time registrations)
     assert registry.get_backend_class("file") is FileBackend
     assert registry.known_backends() == sorted(
         ["file", "hf3fs", "hicache", "lmcache", "memory", "mooncake", "redis"])
-    monkeypatch.setattr(registry, "SOURCE_TREE_PACKAGE", "no_such_package")
-    with pytest.raises(ConfigError, match="unknown storage backend 'file'; known: memory"):
-        registry.get_backend_class("file")
+    monkeypatch.setattr(registry, "_SOURCE_TREE_PYPROJECTS", ())
+    registry._source_tree.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="unknown storage backend 'file'; known: $"):
+            registry.get_backend_class("file")
+    finally:
+        registry._source_tree.cache_clear()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.storage import HEADER_BYTES
+from hicache_client.codec import HEADER_BYTES
 from tests.hicache.factories import tensor_cache
 
 TOKENS = list(range(300, 332))  # 8 pages of 4

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from hicache.keys import key_str, namespace_seed, page_keys, request_seed
+from hicache_client.keys import key_str, namespace_seed, page_keys, request_seed
 
 NS = dict(model_fingerprint="m", dtype="bfloat16", page_size=4, layout="layer_first")
 
@@ -35,7 +35,7 @@ def test_extra_key_salts_chain():
 
 def test_keys_identical_in_fresh_process():
     code = (
-        "from hicache.keys import namespace_seed, page_keys, key_str\n"
+        "from hicache_client.keys import namespace_seed, page_keys, key_str\n"
         "s = namespace_seed(model_fingerprint='m', dtype='bfloat16', page_size=4, "
         "layout='layer_first')\n"
         "print(','.join(key_str(k) for k in page_keys(list(range(12)), 4, s)))\n"

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.codec import verify_record
 from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
 from hicache.hiradix import HiRadixCache
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool, HostKVPool
-from hicache.storage import StorageConfig
 from hicache.transfer import PageMover
-from hicache.units import kv_bytes_per_token
 from hicache.wiring import make_codec
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import verify_record
+from hicache_client.errors import ConfigError
+from hicache_client.units import kv_bytes_per_token
 from tests.hicache.test_roundtrip import check_all_tiers
 from tests.hicache.test_transfer import CASES, bits, random_kv
 

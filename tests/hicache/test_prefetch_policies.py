@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from hicache.errors import StorageUnavailable
 from hicache.memory_backend import MemoryBackend
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import StorageUnavailable
 from tests.hicache.factories import tensor_cache
 
 TOKENS = list(range(500, 532))  # 8 pages of 4

@@ -14,10 +14,10 @@ import torch
 
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD, HiCacheConfig
 from hicache.costmodel import CostModel
-from hicache.errors import ConfigError
 from hicache.memory_backend import MemoryBackend
 from hicache.prefetch import PREFETCH_MIN_SAVING_S
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
 from tests.hicache.factories import tensor_cache
 
 PS = 4

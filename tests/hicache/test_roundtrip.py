@@ -9,7 +9,8 @@ from hicache.config import HiCacheConfig
 from hicache.hiradix import HiRadixCache
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool
-from hicache.storage import StorageConfig, create_backend
+from hicache_client.backend import StorageConfig
+from hicache_client.registry import create_backend
 from tests.hicache.factories import tensor_cache
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

@@ -11,7 +11,7 @@ import torch
 
 from hicache.memory_backend import MemoryBackend
 from hicache.stats import STORAGE_HIT_OUTCOMES
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
 from tests.hicache.factories import tensor_cache
 from tests.hicache.test_prefetch_policies import TOKENS, seeded, wait_for
 

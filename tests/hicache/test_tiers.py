@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.hicache.factories import run_request, sim_cache
 
 SEQ = list(range(100, 108))  # 4 pages of 2

@@ -13,7 +13,7 @@ import torch
 
 from hicache.costmodel import CostModel, Ewma, LoadPlan
 from hicache.memory_backend import MemoryBackend
-from hicache.storage import StorageBackend, StorageConfig
+from hicache_client.backend import StorageBackend, StorageConfig
 from tests.hicache.factories import tensor_cache
 
 

@@ -11,8 +11,9 @@ import torch
 from hicache.controller import PrefetchOp, TransferController
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool, HostKVPool, dtype_name
-from hicache.storage import PageCodec, StorageConfig
 from hicache.transfer_tensor import TensorTransfer
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import PageCodec
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 

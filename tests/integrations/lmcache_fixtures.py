@@ -27,7 +27,7 @@ from tests.procs import wait_until  # noqa: E402
 
 PLUGIN = "hicache"
 ADAPTER = {
-    "remote_storage_plugin.hicache.module_path": "integrations.lmcache.adapter",
+    "remote_storage_plugin.hicache.module_path": "hicache_client.lmcache.adapter",
     "remote_storage_plugin.hicache.class_name": "HiCacheConnectorAdapter",
 }
 CHUNK = 16  # tokens per LMCache chunk in these tests

@@ -20,7 +20,7 @@ from tests.integrations.sglang_env import (
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, hicache_server
 
 SKIP = sglang_skip_reason()
-PLUGIN = {"backend_name": "hicache", "module_path": "integrations.sglang",
+PLUGIN = {"backend_name": "hicache", "module_path": "hicache_client.sglang",
           "class_name": "HiCacheServerStorage"}
 
 __all__ = ["PLUGIN", "SKIP", "fill", "make_plugin", "mha_host_pool", "mla_host_pool",

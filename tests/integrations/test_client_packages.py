@@ -1,6 +1,6 @@
 """The thin client distribution `hicache-client` (clients/hicache-client, docs/sglang.md).
 
-- its modules import nothing of ours outside it, and no third-party package it does not declare
+- its one import package, `hicache_client`, imports nothing of ours outside it, and no third-party package it does not declare
   (torch, sglang and lmcache only in the plugins, which run inside those engines);
 - its wheel and the main distribution's have no file in common (both can be installed);
 - installed with --no-deps in a fresh venv (only pyzmq, msgpack and xxhash beside it), the wire
@@ -46,42 +46,32 @@ from typing import Any
 import pytest
 import tomllib
 
-from hicache.storage import PageCodec, StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import PageCodec
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.storage_backends.hicache_server_proc import hicache_server
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT_DIR = REPO / "clients" / "hicache-client"
-OURS = ("hicache", "storage_backends", "integrations", "engine", "tools")
+OURS = ("hicache", "hicache_client", "storage_backends", "integrations", "engine", "tools")
 # Third-party imports a client module may make: its declared dependencies everywhere; the host
 # engine's packages in the plugin that runs inside it.
 DIST_OF = {"zmq": "pyzmq", "msgpack": "msgpack", "xxhash": "xxhash"}
-# Imports only a module behind an extra makes (hicache-client[encryption]: hicache_seal,
-# hicache_identity).
+# Imports only a module behind an extra makes (hicache-client[encryption]: hicache_client.remote.seal,
+# hicache_client.remote.identity).
 EXTRA_OF = {"cryptography": "cryptography"}
-ENGINE_IMPORTS = {"integrations.sglang": {"torch", "sglang"},
-                  "integrations.lmcache": {"torch", "lmcache"}}
-
-
-def _split() -> object:
-    spec = importlib.util.spec_from_file_location("client_split", REPO / "clients" / "client_split.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SPLIT = _split()
-CLIENT_MODULES: dict[str, tuple[str, ...] | None] = SPLIT.CLIENT_MODULES  # type: ignore[attr-defined]
+ENGINE_IMPORTS = {"hicache_client.sglang": {"torch", "sglang"},
+                  "hicache_client.lmcache": {"torch", "lmcache"}}
 
 
 def client_modules() -> list[str]:
-    """Dotted names of every module the client ships (package __init__ as the package)."""
+    """Dotted names of every module the client ships: the whole `hicache_client` package."""
     out = []
-    for pkg, mods in CLIENT_MODULES.items():
-        pdir = REPO / pkg.replace(".", "/")
-        names = mods if mods is not None else sorted(p.stem for p in pdir.glob("*.py"))
-        out += [pkg if m == "__init__" else f"{pkg}.{m}" for m in names]
+    for path in sorted((REPO / "hicache_client").rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out.append(name.removesuffix(".__init__"))
     return out
 
 
@@ -126,13 +116,13 @@ def test_client_modules_import_only_the_client_and_declared_packages() -> None:
     problems = []
     for mod in sorted(shipped):
         src = _source(mod)
-        assert src is not None, f"{mod} is listed in clients/client_split.py but does not exist"
+        assert src is not None, mod
         engine = next((v for k, v in ENGINE_IMPORTS.items() if mod.startswith(k)), set())
         for name in sorted(_runtime_imports(src)):
             top = name.split(".")[0]
             if top in OURS:
-                if _source(name) is not None and name not in shipped:
-                    problems.append(f"{mod} imports {name}, which the client does not ship")
+                if top != "hicache_client":
+                    problems.append(f"{mod} imports {name}, outside hicache_client")
             elif top in sys.stdlib_module_names or top == "__future__":
                 continue
             elif top not in DIST_OF and top not in engine and top not in EXTRA_OF:
@@ -175,13 +165,23 @@ def test_client_and_main_wheels_share_no_file(
     client, main = _py_files(client_wheel), _py_files(main_wheel)
     assert client == {str((_source(m) or REPO).relative_to(REPO)) for m in client_modules()}
     assert client & main == set()
+    # One import package each: the client's top_level.txt names only hicache_client.
+    with zipfile.ZipFile(client_wheel) as z:
+        top_level = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/top_level.txt")))
+        entry_points = z.read(next(n for n in z.namelist()
+                                   if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert top_level.split() == [b"hicache_client"]
+    assert "hicache = hicache_client.remote.backend:HiCacheServerBackend" in entry_points
+    assert {p.split("/")[0] for p in main} == {
+        "hicache", "engine", "storage_backends", "tools", "integrations"}
     with zipfile.ZipFile(main_wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
     assert b"Requires-Dist: hicache-client==0.1.0" in meta
     # Together they hold every module of the tree's packages (none lost by the split).
     tree = {
         str(p.relative_to(REPO))
-        for top in ("hicache", "engine", "storage_backends", "tools", "integrations")
+        for top in ("hicache", "hicache_client", "engine", "storage_backends", "tools",
+                    "integrations")
         for p in (REPO / top).rglob("*.py")
         if "__pycache__" not in p.parts and (p.parent / "__init__.py").exists()
     }
@@ -253,10 +253,10 @@ def test_client_alone_imports_without_torch_and_talks_to_a_server(
 ) -> None:
     code = f"""
         import json, random, sys
-        from hicache.codec import PageCodec
-        from hicache.storage import StorageConfig
-        from storage_backends.hicache_backend import HiCacheServerBackend
-        import integrations.lmcache.settings, integrations.lmcache.records
+        from hicache_client.codec import PageCodec
+        from hicache_client.backend import StorageConfig
+        from hicache_client.remote.backend import HiCacheServerBackend
+        import hicache_client.lmcache.settings, hicache_client.lmcache.records
         c = PageCodec(**{CODEC!r})
         keys = [f"{{i:064x}}" for i in range(1, 9)]
         recs = [c.encode(k, random.Random(k).randbytes(c.payload_bytes)) for k in keys]
@@ -268,7 +268,7 @@ def test_client_alone_imports_without_torch_and_talks_to_a_server(
         same = [bytes(o) == bytes(r) for o, r in zip(out, recs)]
         b.close()
         failed = []
-        for m in ("integrations.sglang", "integrations.lmcache.adapter"):
+        for m in ("hicache_client.sglang", "hicache_client.lmcache.adapter"):
             try:
                 __import__(m)
             except ImportError as e:
@@ -279,7 +279,8 @@ def test_client_alone_imports_without_torch_and_talks_to_a_server(
                           if k in sys.modules),
             files=sorted({{m.split(".")[0]: getattr(sys.modules[m], "__file__", "") or ""
                            for m in sys.modules if m.split(".")[0] in
-                           ("hicache", "storage_backends", "integrations")}}.values()))))
+                           ("hicache", "hicache_client", "storage_backends", "integrations")
+                           }}.values()))))
     """
     with hicache_server(tmp_path, capacity="64MiB") as srv:
         out = _run(client_venv, code.replace("URL", repr(srv.url)))
@@ -298,8 +299,8 @@ def test_client_alone_imports_without_torch_and_talks_to_a_server(
     assert out["same"] == [True] * 4
     assert out["loaded"] == []
     # Without an engine the plugins stop at exactly the engine's packages.
-    assert out["failed"] == [["integrations.sglang", "torch"],
-                             ["integrations.lmcache.adapter", "lmcache"]]
+    assert out["failed"] == [["hicache_client.sglang", "torch"],
+                             ["hicache_client.lmcache.adapter", "lmcache"]]
     assert all(f.startswith(str(client_venv.site)) for f in out["files"]), out["files"]
 
 
@@ -317,22 +318,22 @@ def test_both_plugins_import_from_the_client_beside_an_engine(client_venv: Venv)
     if reason:
         pytest.skip(reason)
     # The engine's packages (torch, sglang, lmcache) from this environment, after the venv's own
-    # site-packages: `hicache`, `storage_backends`, `integrations` still come from the wheel.
+    # site-packages: `hicache_client` still comes from the wheel.
     pth = client_venv.site / "engine-env.pth"
     pth.write_text(sysconfig.get_paths()["purelib"] + "\n")
     try:
         out = _run(client_venv, """
             import json, sys
-            from integrations.sglang import HiCacheServerStorage
-            from integrations.lmcache.adapter import HiCacheConnectorAdapter
+            from hicache_client.sglang import HiCacheServerStorage
+            from hicache_client.lmcache.adapter import HiCacheConnectorAdapter
             from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
             from lmcache.v1.storage_backend.connector import ConnectorAdapter
             print(json.dumps(dict(
                 sglang=issubclass(HiCacheServerStorage, HiCacheStorage),
                 lmcache=issubclass(HiCacheConnectorAdapter, ConnectorAdapter),
                 files=sorted({sys.modules[m].__file__ for m in sys.modules
-                              if m.split(".")[0] in ("hicache", "storage_backends",
-                                                     "integrations")}),
+                              if m.split(".")[0] in ("hicache", "hicache_client",
+                                                     "storage_backends", "integrations")}),
                 engine="engine" in sys.modules)))
         """)
     finally:

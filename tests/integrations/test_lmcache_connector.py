@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.integrations.lmcache_fixtures import (
     ConnectorHarness,
     metadata,
@@ -48,7 +48,7 @@ def harness(server: HiCacheServerProc) -> Iterator[ConnectorHarness]:
 
 
 def ours(conn: object) -> object:
-    from integrations.lmcache.connector import HiCacheConnector
+    from hicache_client.lmcache.connector import HiCacheConnector
 
     inner = conn.getWrappedConnector()  # type: ignore[attr-defined]
     assert isinstance(inner, HiCacheConnector)
@@ -69,7 +69,7 @@ def test_lmcache_finds_the_connector(harness: ConnectorHarness, server: HiCacheS
     harness.assert_holds(via_url, harness.key(11), want)
 
     # class_name naming the connector itself: LMCache wraps it in its DynamicConnectorAdapter.
-    direct = ConnectorHarness(hc_url(server), module_path="integrations.lmcache.connector",
+    direct = ConnectorHarness(hc_url(server), module_path="hicache_client.lmcache.connector",
                               class_name="HiCacheConnector")
     try:
         direct.assert_holds(direct.create(), harness.key(11), want)
@@ -154,7 +154,7 @@ def test_another_model_or_rank_never_reads_the_chunk(harness: ConnectorHarness) 
 
 
 def test_settings() -> None:
-    from integrations.lmcache.settings import resolve
+    from hicache_client.lmcache.settings import resolve
 
     s = resolve({"remote_storage_plugin.hicache.url": "hicache://10.0.0.1:7480",
                  "remote_storage_plugin.hicache.timeout_ms": 300,

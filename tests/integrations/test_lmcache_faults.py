@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.backend import StorageConfig
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.integrations.lmcache_fixtures import (
     ConnectorHarness,
     same_bits,
@@ -131,8 +131,8 @@ def test_records_of_another_namespace_or_format_are_never_handed_out(
         server: HiCacheServerProc, raw: HiCacheServerBackend) -> None:
     """A well-formed record (right checksum, right key digest) stored under our key by someone
     else: another namespace, or our namespace with another dtype, or a token count too large."""
-    from hicache.codec import PageCodec
-    from integrations.lmcache.records import ChunkLayout
+    from hicache_client.codec import PageCodec
+    from hicache_client.lmcache.records import ChunkLayout
 
     h = harness_for(server)
     try:

@@ -229,7 +229,7 @@ def test_extra_config_keys_sglang_owns_are_accepted(
 
     from sglang.srt.managers.cache_controller import HiCacheController
 
-    from hicache.errors import ConfigError
+    from hicache_client.errors import ConfigError
 
     host = mha_host_pool()
     dev = host._test_device_pool

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.codec import PageCodec
-from hicache.errors import ConfigError
+from hicache_client.codec import PageCodec
+from hicache_client.errors import ConfigError
 from tests.integrations import sglang_fixtures as sg
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient
 

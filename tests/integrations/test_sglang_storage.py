@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.integrations.sglang_fixtures import (
     fill,
     make_plugin,
@@ -48,7 +48,7 @@ def _round_trip(b: Any, host: Any, n: int, seed: int) -> None:
 def test_sglang_factory_builds_the_plugin(server: HiCacheServerProc) -> None:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-    from integrations.sglang import HiCacheServerStorage
+    from hicache_client.sglang import HiCacheServerStorage
 
     host = mha_host_pool()
     b = plugin(host, server.url)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from hicache.errors import ConfigError
-from storage_backends.server import protocol as P
+from hicache_client.errors import ConfigError
+from hicache_client.remote import protocol as P
 from tests.procs import ManagedProcess, free_port, wait_for_port
 from tests.storage_backends.hicache_server_proc import (
     REPO_ROOT,

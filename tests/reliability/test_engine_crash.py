@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import StorageCorrupt
-from hicache.storage import verify_record
+from hicache_client.codec import verify_record
+from hicache_client.errors import StorageCorrupt
 from tests.reliability import conftest as rel
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from hicache.keys import key_str, page_keys, request_seed
-from hicache.storage import HEADER_BYTES
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.keys import key_str, page_keys, request_seed
 from storage_backends.file_backend import page_name
 from tests.reliability.conftest import (
     PAGE_SIZE,

@@ -11,10 +11,10 @@ import pytest
 
 from hicache.config import HiCacheConfig
 from hicache.hiradix import HiRadixCache
-from hicache.keys import namespace_seed
 from hicache.memory_backend import MemoryBackend
 from hicache.pools import DeviceKVPool
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.keys import namespace_seed
 from tests.hicache.factories import run_request
 from tests.reliability import conftest as rel
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache.memory_backend import MemoryBackend
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
 from tests.hicache.factories import run_request, tensor_cache
 
 PAGE = 4

@@ -14,7 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
 from tests.procs import wait_until
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import zmq
 
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
 from tests.procs import wait_until
 from tests.reliability.test_server_fuzz import rss_kib
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, page_key

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
 from tests.procs import wait_until
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,

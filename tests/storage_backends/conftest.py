@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from hicache.keys import key_str, page_keys
-from hicache.storage import PageCodec, StorageBackend
+from hicache_client.backend import StorageBackend
+from hicache_client.codec import PageCodec
+from hicache_client.keys import key_str, page_keys
 from tests.storage_backends.harness import BackendFactory, Harness
 
 # The namespace of tests.storage_backends.harness.config() ("00" * 32).

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.storage import StorageBackend, StorageConfig
+from hicache_client.backend import StorageBackend, StorageConfig
 
 BackendFactory = Callable[..., StorageBackend]
 

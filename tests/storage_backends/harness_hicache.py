@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.storage_backends.harness import BackendFactory, Harness, config
 from tests.storage_backends.hicache_server_proc import hicache_server
 

@@ -14,10 +14,11 @@ from typing import Any
 
 import zmq
 
-from hicache.errors import StorageError
-from hicache.storage import PageCodec, StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
-from storage_backends.server import protocol as P
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import PageCodec
+from hicache_client.errors import StorageError
+from hicache_client.remote import protocol as P
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.procs import ManagedProcess, free_port, wait_for_port
 from tests.storage_backends.conftest import NAMESPACE, make_codec
 
@@ -151,7 +152,7 @@ class OldProtocolServer(HiCacheServerProc):
 
     def _launcher(self) -> list[str]:
         boot = (
-            "import runpy, sys; import storage_backends.server.protocol as P; "
+            "import runpy, sys; import hicache_client.remote.protocol as P; "
             f"P.CODEC.versions = {self.versions!r}; sys.argv[0] = 'hicache-server'; "
             "runpy.run_module('storage_backends.server', run_name='__main__', alter_sys=True)"
         )

@@ -163,7 +163,7 @@ def page_key(i: int) -> str:
 
 def page_records(first: int, count: int, payload_bytes: int) -> list[bytearray]:
     """Deterministic page records for keys `page_key(first..first+count-1)`."""
-    from hicache.storage import PageCodec
+    from hicache_client.codec import PageCodec
 
     codec = PageCodec(namespace=bytes.fromhex(NAMESPACE), dtype="uint8", shape=(payload_bytes,),
                       layout="raw", tokens_per_page=16, itemsize=1)
@@ -178,7 +178,7 @@ def _holder(argv: list[str]) -> int:
     p.add_argument("count", type=int)
     p.add_argument("payload_bytes", type=int)
     a = p.parse_args(argv)
-    from hicache.storage import StorageConfig
+    from hicache_client.backend import StorageConfig
     from storage_backends.mooncake_backend import MooncakeBackend
 
     backend = MooncakeBackend(StorageConfig(extra=json.loads(a.config), namespace=NAMESPACE))

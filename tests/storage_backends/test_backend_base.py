@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from hicache.backend import (
+from hicache.lru import LRUByteStore
+from hicache.memory_backend import MemoryBackend
+from hicache_client.backend import (
     OFFLOAD_CHECK_BYTES,
     Checked,
     RecordChecker,
     StorageBackend,
     StorageConfig,
 )
-from hicache.codec import HEADER_BYTES
-from hicache.errors import ConfigError
-from hicache.lru import LRUByteStore
-from hicache.memory_backend import MemoryBackend
-from hicache.units import Size, kv_bytes_per_token, parse_bytes, parse_size
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.errors import ConfigError
+from hicache_client.units import Size, kv_bytes_per_token, parse_bytes, parse_size
 from tests.storage_backends.conftest import (
     NAMESPACE,
     RecordsCheckerThreads,
@@ -235,26 +235,6 @@ def _imports(path: Path) -> set[str]:
     return mods
 
 
-def test_storage_modules_form_no_import_circle() -> None:
-    """hicache.storage is a facade over backend / codec / registry; none of them (nor the
-    memory backend) imports it, so nothing here closes a circle (function-level imports too)."""
-    parts = ["backend", "codec", "registry", "memory_backend", "lru", "units", "backoff"]
-    graph = {
-        f"hicache.{m}": {i for i in _imports(REPO / "hicache" / f"{m}.py") if i.startswith("hicache")}
-        for m in parts
-    }
-    for mod, deps in graph.items():
-        assert "hicache.storage" not in deps, mod
-    assert "hicache.memory_backend" not in graph["hicache.registry"]
-
-    def reaches(a: str, b: str, seen: frozenset[str] = frozenset()) -> bool:
-        return any(d == b or (d in graph and d not in seen and reaches(d, b, seen | {d}))
-                   for d in graph.get(a, ()))
-
-    assert [m for m in graph if reaches(m, m)] == []
-
-
-
 class _WhoChecks(RecordsCheckerThreads, _DictBackend):
     pass
 
@@ -306,21 +286,3 @@ def test_record_checker_reports_absent_and_wrong_length() -> None:
     assert res[0] == Checked(len(rec), None)
     assert res[1] == Checked(-1, None)  # never added: absent
     assert res[2].length == len(rec) + 5 and "expected" in (res[2].problem or "")
-
-
-def test_hicache_storage_keeps_every_name() -> None:
-    """Code written against the one-module `hicache.storage` keeps importing from it."""
-    import hicache.backend
-    import hicache.codec
-    import hicache.registry
-    import hicache.storage as storage
-
-    for name in ("BackendStats", "StorageBackend", "StorageConfig", "Checked"):
-        assert getattr(storage, name) is getattr(hicache.backend, name)
-    for name in ("PageCodec", "verify_record", "key_digest", "RecordHeader", "HEADER_BYTES",
-                 "RECORD_MAGIC", "RECORD_VERSION", "DTYPE_CODES", "LAYOUT_CODES"):
-        assert getattr(storage, name) is getattr(hicache.codec, name)
-    for name in ("create_backend", "get_backend_class", "known_backends", "register_backend",
-                 "ENTRY_POINT_GROUP", "BackendFactory"):
-        assert getattr(storage, name) is getattr(hicache.registry, name)
-    assert storage.create_backend("memory", StorageConfig()).name == "memory"

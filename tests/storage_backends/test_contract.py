@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.storage import HEADER_BYTES
+from hicache_client.codec import HEADER_BYTES
 from tests.storage_backends.conftest import (
     OTHER_NAMESPACE,
     HarnessPool,

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.errors import ConfigError
-from hicache.storage import HEADER_BYTES, StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.errors import ConfigError
 from storage_backends.file_backend import FileBackend, default_dir, page_name
 from storage_backends.file_io import PARALLEL_READ_BYTES, default_read_threads
 from tests.storage_backends.conftest import NAMESPACE, buffers, make_codec, make_keys, make_records
@@ -466,7 +467,7 @@ _RUN = textwrap.dedent(
     """
     import json, resource, signal, sys
     sys.path.insert(0, {repo!r})
-    from hicache.storage import StorageConfig
+    from hicache_client.backend import StorageConfig
     from tests.storage_backends.conftest import make_codec, make_keys, make_records
     from storage_backends.file_backend import FileBackend
     {prelude}

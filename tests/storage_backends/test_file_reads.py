@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage import HEADER_BYTES, StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.codec import HEADER_BYTES
 from storage_backends import file_io
 from storage_backends.file_backend import FileBackend
 from storage_backends.file_io import (

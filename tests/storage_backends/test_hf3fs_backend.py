@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hicache.errors import ConfigError
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
 from storage_backends.hf3fs_backend import HF3FSBackend
 from tests.storage_backends.conftest import NumberedPages, RecordsCheckerThreads
 from tests.storage_backends.harness import config
@@ -121,7 +121,8 @@ def test_dead_writer_slots_are_reclaimed(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import json, sys
-    from hicache.storage import PageCodec, StorageConfig
+    from hicache_client.backend import StorageConfig
+    from hicache_client.codec import PageCodec
     from storage_backends.hf3fs_backend import HF3FSBackend
     cfg, first, n = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     codec = PageCodec(namespace=b"\\0" * 32, dtype="uint8", shape=(1000,), layout="raw",

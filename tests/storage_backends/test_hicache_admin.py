@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from hicache.keys import page_keys
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
-from storage_backends.server import protocol as P
+from hicache_client.backend import StorageConfig
+from hicache_client.keys import page_keys
+from hicache_client.remote import protocol as P
+from hicache_client.remote.backend import HiCacheServerBackend
 from storage_backends.server.admin_cli import AdminClient, AdminError
 from tests.storage_backends.conftest import buffers, make_codec
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient

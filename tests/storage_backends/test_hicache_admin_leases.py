@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from storage_backends.hicache_store import StoreMap
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
+from hicache_client.remote.store import StoreMap
 from tests.storage_backends.conftest import buffers, make_codec, make_keys
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient
 

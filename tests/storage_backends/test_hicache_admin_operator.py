@@ -13,9 +13,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
-from storage_backends.server import protocol as P
+from hicache_client.backend import StorageConfig
+from hicache_client.remote import protocol as P
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.procs import free_port
 from tests.storage_backends.conftest import buffers
 from tests.storage_backends.hicache_server_proc import HiCacheServerProc, RawClient

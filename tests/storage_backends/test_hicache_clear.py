@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import ConfigError
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
+from hicache_client.remote.backend import HiCacheServerBackend
 from tests.storage_backends.conftest import (
     assert_reads_back,
     buffers,

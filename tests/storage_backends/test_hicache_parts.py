@@ -1,6 +1,6 @@
 """Records held in several buffers (`batch_get_parts` / `batch_set_parts`): a record's header in
 one buffer and its payload in the regions of a host pool page, read and written without being
-assembled. The checks over parts agree with hicache.codec byte for byte; the `StorageBackend`
+assembled. The checks over parts agree with hicache_client.codec byte for byte; the `StorageBackend`
 default (through a temporary per record) on the in-process `memory` backend; then the `hicache`
 client against a real server: one copy each way through the server's store, a bad record judged
 on its header before its payload is copied, a copy that raced a free sent the other way, the
@@ -16,20 +16,22 @@ from typing import Any
 
 import pytest
 
-from hicache.codec import (
+from hicache.memory_backend import MemoryBackend
+from hicache_client.backend import StorageBackend, StorageConfig
+from hicache_client.codec import (
     HEADER_BYTES,
     PageCodec,
     RecordHeader,
+    encode_record_header,
     verify_copied_parts,
     verify_record,
+    verify_record_head,
+    verify_record_parts,
 )
-from hicache.errors import StorageCorrupt
-from hicache.memory_backend import MemoryBackend
-from hicache.storage import StorageBackend, StorageConfig
-from storage_backends import hicache_backend
-from storage_backends.common import encode_header, verify_head, verify_parts
-from storage_backends.hicache_store import StoreMap
-from storage_backends.server import protocol as P
+from hicache_client.errors import StorageCorrupt
+from hicache_client.remote import backend as hicache_backend
+from hicache_client.remote import protocol as P
+from hicache_client.remote.store import StoreMap
 from storage_backends.server.arena import BLOCK, Arena
 from tests.hicache.test_codec import V1_KEY, V1_RECORD
 from tests.storage_backends.hicache_server_proc import (
@@ -87,7 +89,7 @@ def _only_raw(key: str, header: RecordHeader) -> str | None:
     return None if header.layout == "raw" else f"layout {header.layout}"
 
 
-# -- checks over parts agree with hicache.codec ------------------------------------------------
+# -- checks over parts agree with hicache_client.codec ------------------------------------------------
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -102,27 +104,27 @@ def test_verify_parts_agrees_with_verify_record(version: int) -> None:
     want = verify_record(rec, key)
     assert want.version == version
     for a in range(len(rec) + 1):  # every two-way cut, and three-way cuts around the header
-        assert verify_parts(_split(rec, [a, len(rec) - a]), key) == want
+        assert verify_record_parts(_split(rec, [a, len(rec) - a]), key) == want
         for b in (HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 1):
             if a <= b <= len(rec):
-                assert verify_parts(_split(rec, [a, b - a, len(rec) - b]), key) == want
+                assert verify_record_parts(_split(rec, [a, b - a, len(rec) - b]), key) == want
     for i in range(len(rec)):  # every flipped byte, every truncation: refused, as by the codec
         bad = bytearray(rec)
         bad[i] ^= 0x01
         with pytest.raises(StorageCorrupt):
             verify_record(bad, key)
         with pytest.raises(StorageCorrupt):
-            verify_parts(_split(bad, [HEADER_BYTES, 5, len(rec) - HEADER_BYTES - 5]), key)
+            verify_record_parts(_split(bad, [HEADER_BYTES, 5, len(rec) - HEADER_BYTES - 5]), key)
         with pytest.raises(StorageCorrupt):
-            verify_parts(_split(rec[:i], [i]), key)
+            verify_record_parts(_split(rec[:i], [i]), key)
     with pytest.raises(StorageCorrupt, match="another key"):
-        verify_parts(_split(rec, [len(rec)]), "x" * 64)
+        verify_record_parts(_split(rec, [len(rec)]), "x" * 64)
     # The header alone: every check but the checksum.
-    assert verify_head(rec[:HEADER_BYTES], key, len(rec)) == want
+    assert verify_record_head(rec[:HEADER_BYTES], key, len(rec)) == want
     with pytest.raises(StorageCorrupt, match="header says"):
-        verify_head(rec[:HEADER_BYTES], key, len(rec) + 1)
+        verify_record_head(rec[:HEADER_BYTES], key, len(rec) + 1)
     with pytest.raises(StorageCorrupt, match="shorter than its header"):
-        verify_head(rec[:HEADER_BYTES - 1], key, len(rec))
+        verify_record_head(rec[:HEADER_BYTES - 1], key, len(rec))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -133,10 +135,10 @@ def test_verify_copied_parts_takes_only_the_judged_header_with_its_checksum(shap
     keys, recs = pages("copied", 1, PAYLOAD)
     rec = bytes(recs[0])
     head = rec[:HEADER_BYTES]
-    version = verify_head(head, keys[0], len(rec)).version
+    version = verify_record_head(head, keys[0], len(rec)).version
     verify_copied_parts(_split(rec, SHAPES[shape]), head, version)
     other = bytes(_other_format(keys[0], rec[HEADER_BYTES:]))  # same payload, valid record
-    assert verify_parts(_split(other, SHAPES[shape]), keys[0]).layout == "page_first"
+    assert verify_record_parts(_split(other, SHAPES[shape]), keys[0]).layout == "page_first"
     with pytest.raises(StorageCorrupt, match="header changed"):
         verify_copied_parts(_split(other, SHAPES[shape]), head, version)
     for i in (HEADER_BYTES, len(rec) // 2, len(rec) - 1):  # a payload byte: its checksum
@@ -153,12 +155,12 @@ def test_encode_header_writes_the_codec_record() -> None:
         payload = rng.randbytes(PAYLOAD)
         parts = _split(payload, sizes)
         head = memoryview(bytearray(HEADER_BYTES))
-        encode_header(c, "key-1", parts, head)
+        encode_record_header(c, "key-1", parts, head)
         assert bytes(head) + payload == bytes(c.encode("key-1", payload))
     with pytest.raises(ValueError, match="page format needs"):
-        encode_header(c, "k", [memoryview(bytearray(PAYLOAD - 1))], head)
+        encode_record_header(c, "k", [memoryview(bytearray(PAYLOAD - 1))], head)
     with pytest.raises(ValueError, match="a header is"):
-        encode_header(c, "k", [memoryview(bytearray(PAYLOAD))], head[:-1])
+        encode_record_header(c, "k", [memoryview(bytearray(PAYLOAD))], head[:-1])
 
 
 def test_store_map_view_and_current_follow_the_generation() -> None:
@@ -322,7 +324,7 @@ def test_a_header_changed_during_the_copy_is_refused_though_its_record_is_valid(
         b = srv.client()
         assert b.batch_set(keys, [memoryview(recs[0])]) == [True]
         parts = [_parts(SHAPES["head+4"])]
-        assert verify_parts(_split(other, SHAPES["head+4"]), keys[0]).layout == "page_first"
+        assert verify_record_parts(_split(other, SHAPES["head+4"]), keys[0]).layout == "page_first"
         assert b.batch_get_parts(keys, parts, accept=_only_raw) == [False]
         s = b.stats()
         assert (s.get_pages, s.get_hits, s.corrupt_pages) == (1, 0, 1)
@@ -356,14 +358,14 @@ def test_a_copy_that_raced_a_free_is_read_the_other_way(
         return fire
 
     if when == "header":
-        real_head = hicache_backend.verify_head
+        real_head = hicache_backend.verify_record_head
 
         def head(h: bytes, key: str, length: int) -> RecordHeader:
             if tear():
                 raise StorageCorrupt("a torn header")
             return real_head(h, key, length)
 
-        monkeypatch.setattr(hicache_backend, "verify_head", head)
+        monkeypatch.setattr(hicache_backend, "verify_record_head", head)
     else:
         real_scatter = hicache_backend.scatter
 

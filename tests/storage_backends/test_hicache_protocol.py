@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage_backends.server import admin_protocol as A
-from storage_backends.server import protocol as P
+from hicache_client.remote import admin_protocol as A
+from hicache_client.remote import protocol as P
 
 SAMPLES: list[P.Message] = [
     P.PingRequest(request_id=1, token="t"),

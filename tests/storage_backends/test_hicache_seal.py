@@ -1,4 +1,4 @@
-"""Sealed page records (`encryption_key`, storage_backends.hicache_seal) against a real
+"""Sealed page records (`encryption_key`, hicache_client.remote.seal) against a real
 `hicache-server`: pages round-trip through every client path (TCP frames, the connection's
 region, the server's store, records in parts); what the server holds, serves and persists is
 ciphertext; a record sealed under another key, altered, or moved under another key is a miss;
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hicache.codec import HEADER_BYTES
-from hicache.errors import ConfigError
-from storage_backends.hicache_backend import HiCacheServerBackend
-from storage_backends.hicache_seal import OVERHEAD, SEALED_MAGIC, Sealer
-from storage_backends.server import protocol as P
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.errors import ConfigError
+from hicache_client.remote import protocol as P
+from hicache_client.remote.backend import HiCacheServerBackend
+from hicache_client.remote.seal import OVERHEAD, SEALED_MAGIC, Sealer
 from tests.storage_backends.conftest import NAMESPACE, buffers
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,
@@ -168,7 +168,7 @@ def test_the_checksum_travels_encrypted_and_older_records_still_open() -> None:
     before (checksum field zero) opens with its checksum recomputed."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from hicache.codec import verify_record
+    from hicache_client.codec import verify_record
 
     keys, recs = pages("sum", 1, 4096)
     s = Sealer(bytes.fromhex(KEY))

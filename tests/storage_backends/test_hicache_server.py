@@ -18,9 +18,9 @@ import msgpack
 import pytest
 import zmq
 
-from hicache.errors import ConfigError, StorageUnavailable
-from hicache.storage import HEADER_BYTES
-from storage_backends.server import protocol as P
+from hicache_client.codec import HEADER_BYTES
+from hicache_client.errors import ConfigError, StorageUnavailable
+from hicache_client.remote import protocol as P
 from storage_backends.server.server import build_parser, parse_size
 from tests.procs import free_port, wait_until
 from tests.storage_backends.hicache_server_proc import (

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from storage_backends import hicache_conn
-from storage_backends.hicache_shm import ClientRegion, plan
-from storage_backends.server import protocol as P
+from hicache_client.remote import connections as hicache_conn
+from hicache_client.remote import protocol as P
+from hicache_client.remote.shm import ClientRegion, plan
 from tests.procs import free_port
 from tests.storage_backends.hicache_server_proc import (
     OldProtocolServer,
@@ -130,7 +130,7 @@ def test_server_with_no_shm_refuses_and_the_client_falls_back(
 ) -> None:
     keys, recs = pages("noshm", 4, PAYLOAD)
     with hicache_server(tmp_path, args=["--no-shm"]) as srv:
-        with caplog.at_level(logging.INFO, logger="storage_backends.hicache_conn"):
+        with caplog.at_level(logging.INFO, logger="hicache_client.remote.connections"):
             b = srv.client()
         assert b.shm_enabled is False
         assert sum("shared memory off" in r.message for r in caplog.records) == 1

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import StorageError
-from storage_backends.hicache_store import StoreMap, mapping_address
-from storage_backends.server import protocol as P
+from hicache_client.errors import StorageError
+from hicache_client.remote import protocol as P
+from hicache_client.remote.store import StoreMap, mapping_address
 from storage_backends.server.arena import BLOCK, NAME_PREFIX, Arena, Extents, remove_stale
 from tests.procs import free_port
 from tests.storage_backends.hicache_server_proc import (

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage_backends.hicache_store import StoreMap
-from storage_backends.server import protocol as P
+from hicache_client.remote import protocol as P
+from hicache_client.remote.store import StoreMap
 from storage_backends.server.arena import BLOCK, Arena
 from storage_backends.server.reservations import Reservations
 from storage_backends.server.store import PageStore

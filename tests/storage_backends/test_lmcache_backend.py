@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import ConfigError, StorageUnavailable
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError, StorageUnavailable
 from tests.procs import free_port
 from tests.storage_backends.conftest import NumberedPages
 from tests.storage_backends.harness import config

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import ConfigError
-from hicache.storage import StorageConfig
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
 from tests.storage_backends.harness import config
 from tests.storage_backends.mooncake_procs import (
     NAMESPACE,

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from hicache.errors import ConfigError, StorageUnavailable
-from hicache.storage import StorageConfig
-from storage_backends.common import Backoff, as_bool, check_known_keys, leading_run, setting
+from hicache_client.backend import StorageConfig
+from hicache_client.backend_util import as_bool, check_known_keys, leading_run, setting
+from hicache_client.backoff import Backoff
+from hicache_client.errors import ConfigError, StorageUnavailable
 from storage_backends.redis_backend import RedisBackend, parse_cluster_url, redact
 from tests.procs import free_port
 from tests.storage_backends.conftest import (

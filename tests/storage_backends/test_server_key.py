@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from hicache.errors import ConfigError
-from hicache.storage import StorageConfig
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
+from hicache_client.remote.backend import HiCacheServerBackend
 from storage_backends.server.cli import config_from_args
 from tests.storage_backends.conftest import buffers
 from tests.storage_backends.hicache_server_proc import (
@@ -160,14 +160,14 @@ def test_bad_public_keys_are_named() -> None:
 
 
 def _from_sglang(url: str, token: str, pub: str) -> dict[str, Any]:
-    from integrations.sglang.settings import parse_settings
+    from hicache_client.sglang.settings import parse_settings
 
     return {"url": url,
             **parse_settings({"auth_token": token, "server_public_key": pub}).client}
 
 
 def _from_lmcache(url: str, token: str, pub: str) -> dict[str, Any]:
-    from integrations.lmcache.settings import resolve
+    from hicache_client.lmcache.settings import resolve
 
     p = "remote_storage_plugin.hicache."
     extra = {p + "auth_token": token, p + "server_public_key": pub}

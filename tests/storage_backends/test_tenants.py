@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from hicache.errors import ConfigError
-from storage_backends.server import protocol as P
+from hicache_client.errors import ConfigError
+from hicache_client.remote import protocol as P
 from storage_backends.server.tenants import (
     Tenants,
     TenantsError,
@@ -285,13 +285,13 @@ def test_server_refuses_a_tenants_file_with_a_shared_token(tmp_path: Path) -> No
 
 
 def _from_sglang(url: str, token: str, key: str) -> dict[str, Any]:
-    from integrations.sglang.settings import parse_settings
+    from hicache_client.sglang.settings import parse_settings
 
     return {"url": url, **parse_settings({"auth_token": token, "encryption_key": key}).client}
 
 
 def _from_lmcache(url: str, token: str, key: str) -> dict[str, Any]:
-    from integrations.lmcache.settings import resolve
+    from hicache_client.lmcache.settings import resolve
 
     p = "remote_storage_plugin.hicache."
     extra = {p + "auth_token": token, p + "encryption_key": key}
@@ -301,8 +301,8 @@ def _from_lmcache(url: str, token: str, key: str) -> dict[str, Any]:
 @pytest.mark.parametrize("settings", [_from_sglang, _from_lmcache], ids=["sglang", "lmcache"])
 def test_plugins_pass_the_tenant_token_and_key_through(
         server: HiCacheServerProc, settings: Any) -> None:
-    from hicache.storage import StorageConfig
-    from storage_backends.hicache_backend import HiCacheServerBackend
+    from hicache_client.backend import StorageConfig
+    from hicache_client.remote.backend import HiCacheServerBackend
 
     key = "33" * 32
 
@@ -335,7 +335,7 @@ def test_admin_lookup_and_pins_by_partition(server: HiCacheServerProc,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from hicache.keys import page_keys, request_seed
+    from hicache_client.keys import page_keys, request_seed
     from storage_backends.server.admin_cli import main as admin_main
     from tests.storage_backends.conftest import make_codec
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from hicache.errors import ConfigError
-from storage_backends.server import protocol as P
+from hicache_client.errors import ConfigError
+from hicache_client.remote import protocol as P
 from tests.procs import free_port
 from tests.storage_backends.conftest import buffers
 from tests.storage_backends.hicache_server_proc import (

@@ -10,7 +10,7 @@ import pytest
 
 from engine.models.config import ModelConfig
 from engine.models.config import kv_bytes_per_token as engine_kv_bytes
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.tools.conftest import REPO, mooncake_rows, write_jsonl
 from tools.hitrate import catalog
 from tools.hitrate.cli import main

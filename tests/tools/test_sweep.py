@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tests.tools.conftest import prefix_trace
 from tools.hitrate.cli import main
 from tools.hitrate.sweep import parse_sizes

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command
 from tools.hitrate.options import build_parser

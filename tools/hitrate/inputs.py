@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hicache.errors import ConfigError, HiCacheError
+from hicache_client.errors import ConfigError, HiCacheError
 from tools.hitrate import catalog
 from tools.hitrate.sizes import kv_bytes_from_model
 from tools.hitrate.traces import Limits

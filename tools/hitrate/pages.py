@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, repeat
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tools.hitrate.traces import Request, Trace
 
 UNIQUE_TOKEN_BASE = 1 << 31  # synthetic tokens no trace block can produce

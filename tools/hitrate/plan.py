@@ -19,8 +19,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from hicache import units
-from hicache.errors import ConfigError
+from hicache_client import units
+from hicache_client.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.options import add_model_args, add_trace_args
 from tools.hitrate.sizes import to_pages

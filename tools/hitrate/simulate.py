@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD, HiCacheConfig
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tools.hitrate.arrays import PageArrays
 from tools.hitrate.pages import Layout
 from tools.hitrate.traces import Trace

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hicache import units
-from hicache.errors import ConfigError
+from hicache_client import units
+from hicache_client.errors import ConfigError
 
 _UNBOUNDED = {"unbounded", "inf", "infinite", "unlimited"}
 
 
 def parse_size(text: str) -> tuple[str, float] | None:
     """`'2GiB'` -> ('bytes', 2147483648); `'4096'`/`'4k'` -> ('tokens', ...); `'64p'` ->
-    ('pages', 64); `'unbounded'` -> None. The units are `hicache.units.parse_size`'s, with a
+    ('pages', 64); `'unbounded'` -> None. The units are `hicache_client.units.parse_size`'s, with a
     bare number counting tokens."""
     if text.strip().lower() in _UNBOUNDED:
         return None

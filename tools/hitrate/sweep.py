@@ -8,7 +8,7 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 from tools.hitrate.arrays import PageArrays
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.simulate import TierConfig, replay_arrays

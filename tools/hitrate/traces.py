@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.errors import ConfigError, HiCacheError
+from hicache_client.errors import ConfigError, HiCacheError
 from tools.hitrate.sizes import FLOAT_DTYPE_BYTES
 
 logger = logging.getLogger(__name__)

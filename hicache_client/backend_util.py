@@ -1,7 +1,7 @@
-"""Helpers shared by the L3 backends: config look-ups, small utilities, page records held in
-several buffers, and (re-exported from hicache.backoff, where it lives so the cache can use it
-too) `Backoff`, the circuit breaker every networked backend wraps its round trips in (see
-hicache.backoff for the pattern).
+"""Helpers the L3 backends share: their settings from `StorageConfig.extra` (and the
+environment), unknown-key checks, and small batch utilities. The circuit breaker every networked
+backend wraps its round trips in is `hicache_client.backoff.Backoff`; page records, whole or in
+several buffers, are `hicache_client.codec`'s.
 """
 
 from __future__ import annotations
@@ -12,32 +12,19 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from hicache.backend import StorageConfig, byte_view
-from hicache.backoff import Backoff
-from hicache.codec import (
-    encode_record_header,
-    verify_record_head,
-    verify_record_parts,
-)
-from hicache.errors import ConfigError
-from hicache.units import parse_bytes
+from hicache_client.backend import StorageConfig, byte_view
+from hicache_client.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 __all__ = [
-    "Backoff",
     "as_bool",
-    "byte_view",
     "check_known_keys",
     "each_key_once",
-    "encode_header",
     "leading_run",
-    "parse_bytes",
     "setting",
-    "verify_head",
-    "verify_parts",
 ]
 
 
@@ -144,14 +131,3 @@ def each_key_once(
             if n >= 0 and n == len(dst) == len(src):
                 dst[:] = src
     return res
-
-
-# ------------------------------------------------------------------------------------------
-# Page records held in several buffers (`StorageBackend.batch_get_parts` / `batch_set_parts`)
-# ------------------------------------------------------------------------------------------
-
-# The codec's own checks and encoder over records held in several buffers (hicache.codec).
-verify_head = verify_record_head
-verify_parts = verify_record_parts
-encode_header = encode_record_header
-

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from hicache.errors import StorageError, StorageUnavailable
-from storage_backends.hicache_backend import HiCacheServerBackend
+from hicache_client.errors import StorageError, StorageUnavailable
+from hicache_client.remote.backend import HiCacheServerBackend
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The `hicache` client's connections: pooled DEALER sockets, each with its shared-memory region
-(`hicache_shm`), the server's store mapped once (`hicache_store`), and the circuit breaker every
-round trip runs under. `HiCacheServerBackend` (`hicache_backend`) does its work through one
-`Connections`; the data paths themselves live in `hicache_shm` and `hicache_store`.
+(`shm`), the server's store mapped once (`store`), and the circuit breaker every
+round trip runs under. `HiCacheServerBackend` (`backend`) does its work through one
+`Connections`; the data paths themselves live in `shm` and `store`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from hicache.errors import StorageError, StorageUnavailable
-from storage_backends.common import Backoff
-from storage_backends.hicache_shm import (
+from hicache_client.backoff import Backoff
+from hicache_client.errors import StorageError, StorageUnavailable
+from hicache_client.remote import protocol as P
+from hicache_client.remote.shm import (
     SHM_REFUSALS,
     ClientRegion,
     Conn,
@@ -26,8 +27,7 @@ from storage_backends.hicache_shm import (
     Unreachable,
     Wire,
 )
-from storage_backends.hicache_store import StoreAccess, StoreMap
-from storage_backends.server import protocol as P
+from hicache_client.remote.store import StoreAccess, StoreMap
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -48,7 +48,7 @@ class Connections:
         self.shm_bytes = shm_bytes
         # Whether new connections offer a region: off by config, or after a server refused one.
         self.shm_enabled = shm
-        # The server's shared-memory store, mapped on first use (`hicache_store`).
+        # The server's shared-memory store, mapped on first use (`store`).
         self.arena = StoreAccess(shm, populate)
         self.backoff = Backoff(f"hicache-server {url}", initial_s=0.05, max_s=2.0)
         self.closed = False
@@ -144,7 +144,7 @@ class Connections:
     def _check_signature(self, reply: P.HelloReply, tid: str, client_nonce: bytes,
                          nonce: bytes) -> None:
         """Refuse a hello reply not signed by the pinned server key."""
-        from storage_backends import hicache_identity as identity
+        from hicache_client.remote import identity
 
         assert self.server_key is not None
         if not reply.signature:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from storage_backends.server.wire import ErrorCode, ProtocolError, Reply, Request
+from hicache_client.remote.wire import ErrorCode, ProtocolError, Reply, Request
 
 VERSION = 6
 

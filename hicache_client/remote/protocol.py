@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from storage_backends.server import admin_protocol as A
-from storage_backends.server.admin_protocol import (  # noqa: F401 - re-exported
+from hicache_client.remote import admin_protocol as A
+from hicache_client.remote.admin_protocol import (  # noqa: F401 - re-exported
     AdminClearReply,
     AdminClearRequest,
     AdminLookupReply,
@@ -38,7 +38,7 @@ from storage_backends.server.admin_protocol import (  # noqa: F401 - re-exported
     UnpinReply,
     UnpinRequest,
 )
-from storage_backends.server.wire import (  # noqa: F401 - re-exported: P.ErrorCode etc.
+from hicache_client.remote.wire import (  # noqa: F401 - re-exported: P.ErrorCode etc.
     Buffer,
     Codec,
     ErrorCode,
@@ -392,7 +392,7 @@ class HelloReply(Reply):
     """`nonce` (hex): what every later request's proof covers (`request_proof`); `proof`:
     `server_proof(token, nonce, client_nonce)`, which only a server holding the token makes;
     `signature` (hex): the server key's Ed25519 signature over the hello's transcript
-    (`storage_backends.hicache_identity.transcript`), "" for a server without --server-key."""
+    (`hicache_client.remote.identity.transcript`), "" for a server without --server-key."""
 
     TYPE: ClassVar[str] = "hello_ok"
     nonce: str = ""

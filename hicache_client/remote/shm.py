@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from hicache.errors import StorageError
-from storage_backends.server import protocol as P
+from hicache_client.errors import StorageError
+from hicache_client.remote import protocol as P
+from hicache_client.remote.shm_files import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 # Error codes with which a server says it will not take a region (an old server does not know
 # the type); the client then stays on TCP frames.
 SHM_REFUSALS = (
@@ -94,7 +94,7 @@ class Wire:
     timeout_ms: int
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     releases: bool = True  # send `shm_release` (False: the server is older than protocol 6)
-    token_proof: str = "auto"  # "auto", "required" or "off" (hicache_conn.Connections._hello)
+    token_proof: str = "auto"  # "auto", "required" or "off" (connections.Connections._hello)
 
     def auth(self, nonce: bytes | None, req: P.Request) -> str:
         """The `token` field of `req`: a proof of the token on a connection that said hello
@@ -115,7 +115,7 @@ class Conn:
     region: ClientRegion | None = None
     nonce: bytes | None = None  # the server's hello nonce (None: the token is sent as it is)
     # Slots reserved for this connection in the server's store, by record length: (offset,
-    # generation, use-by time) (`hicache_store.store_set`).
+    # generation, use-by time) (`store.store_set`).
     slots: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)  # ids of releases sent, replies not read
 

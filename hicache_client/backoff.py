@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from hicache.errors import ConfigError, StorageUnavailable
+from hicache_client.errors import ConfigError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -38,12 +38,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from hicache.backend import ThreadBuffers
-from hicache.codec import HEADER_BYTES, RecordHeader
-from hicache.errors import ConfigError, StorageError, StorageUnavailable
-from hicache.storage import StorageConfig
-from integrations.lmcache.client import ConnectorBackend
-from integrations.lmcache.records import (
+from hicache_client.backend import StorageConfig, ThreadBuffers
+from hicache_client.codec import HEADER_BYTES, RecordHeader
+from hicache_client.errors import ConfigError, StorageError, StorageUnavailable
+from hicache_client.lmcache.client import ConnectorBackend
+from hicache_client.lmcache.records import (
     ChunkLayout,
     judge,
     namespace_seed,
@@ -51,7 +50,7 @@ from integrations.lmcache.records import (
     seal,
     storage_key,
 )
-from integrations.lmcache.settings import Settings, resolve
+from hicache_client.lmcache.settings import Settings, resolve
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The L3 storage interface: `StorageConfig`, `BackendStats` and the `StorageBackend` ABC.
 
-Backends move opaque page *records* (bytes, see hicache.codec). `StorageBackend.batch_get`
+Backends move opaque page *records* (bytes, see hicache_client.codec). `StorageBackend.batch_get`
 validates each record it returns, so a truncated, bit-flipped or misplaced record is a counted
 miss (and deleted where the backend can), never KV handed to a model. `batch_get_parts` /
 `batch_set_parts` do the same for records scattered over several buffers (a header buffer and
@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from hicache.codec import RecordHeader, verify_record
-from hicache.errors import StorageCorrupt
+from hicache_client.codec import RecordHeader, verify_record
+from hicache_client.errors import StorageCorrupt
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class StorageConfig:
     # Backend-specific settings (`--hicache-storage-backend-extra-config`, a JSON object).
     extra: Mapping[str, Any] = field(default_factory=dict)
     # Hex namespace seed of the owning cache; backends may use it as a key prefix. Keys are
-    # already namespaced by construction (see hicache.keys), so this is for tidiness/ops only.
+    # already namespaced by construction (see hicache_client.keys), so this is for tidiness/ops only.
     namespace: str = ""
     # Size in bytes of one page record for this cache (0 when unknown).
     record_bytes: int = 0

@@ -6,7 +6,7 @@ part; `layer_first`: a K and a V region per layer; MLA `page_first`: one region)
 turns those addresses into writable memoryviews of the pool's own tensors, so a page is read
 and written in place, never through a temporary tensor.
 
-One record per page (`hicache.codec.PageCodec`: a 128-byte header, then the payload). The
+One record per page (`hicache_client.codec.PageCodec`: a 128-byte header, then the payload). The
 payload is the page's regions in address order, which is the byte order of SGLang's flat page
 (`get_data_page(index, flat=True)`) for every layout whose page the pool can flatten: the v0
 tensor API and the v1 zero-copy API write and read the same records. A record is never
@@ -22,10 +22,16 @@ from typing import Any
 
 import torch
 
-from hicache.backend import ThreadBuffers
-from hicache.codec import DTYPE_CODES, HEADER_BYTES, LAYOUT_CODES, PageCodec, RecordHeader
-from hicache.errors import ConfigError
-from storage_backends.common import encode_header
+from hicache_client.backend import ThreadBuffers
+from hicache_client.codec import (
+    DTYPE_CODES,
+    HEADER_BYTES,
+    LAYOUT_CODES,
+    PageCodec,
+    RecordHeader,
+    encode_record_header,
+)
+from hicache_client.errors import ConfigError
 
 # Host tensors a KV pool keeps its pages in, looked at first; any other CPU tensor (or list of
 # them) among the pool's attributes is a buffer too (a draft, SWA, indexer or Mamba pool's).
@@ -148,7 +154,7 @@ class HostPages:
     def seal(self, key: str, payload: Sequence[memoryview], head: memoryview) -> None:
         """Write into `head` the header of page `key`'s record whose payload is `payload` (the
         page's regions, in order; the checksum is computed over them where they are)."""
-        encode_header(self._codec(), key, payload, head)
+        encode_record_header(self._codec(), key, payload, head)
 
     def accept(self, key: str, header: RecordHeader) -> str | None:
         """Why a record that passed the client's checks (length, magic, key, checksum) is

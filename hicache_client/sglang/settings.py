@@ -8,7 +8,7 @@ also carries keys of its own (`SGLANG_KEYS`, found in sglang 0.5.23's source): t
 `tp_lcm_size`, which SGLang pops before the backend sees the object except on the
 prefill/decode-split decode-offload path (`DecodeKVCacheOffloadManager` passes the object as
 parsed). Those are accepted and left to SGLang. Ours go to the `hicache-server` client
-(`storage_backends.hicache_backend`) or decide the namespace. Any other key is a typo, and an
+(`hicache_client.remote.backend`) or decide the namespace. Any other key is a typo, and an
 error at start-up that names it.
 """
 
@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.errors import ConfigError
-from hicache.keys import namespace_seed
+from hicache_client.errors import ConfigError
+from hicache_client.keys import namespace_seed
 
 # Keys SGLang itself reads from the extra config, which may reach the backend (see above).
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator",

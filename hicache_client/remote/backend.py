@@ -13,16 +13,16 @@ key              meaning                                           default
                  split and the parts are pipelined)
 ``batch_bytes``  most record bytes in one request (get or set)      4194304 (4 MiB)
 ``tune_malloc``  let glibc reuse freed large blocks (process-wide;   true
-                 see `storage_backends.server.malloc.tune_malloc`):
+                 see `hicache_client.remote.malloc.tune_malloc`):
                  ~3x faster receives of 1 MiB pages
 ``shm``          a shared-memory region per connection, and the    true
-                 server's store (same host; hicache_shm, _store)
+                 server's store (same host; shm, _store)
 ``shm_bytes``    size of each connection's region; a batch larger  4 x ``batch_bytes``
                  goes in rounds of requests of 1/8 of it, a record
                  larger goes over TCP
 ``shm_populate`` fill this process's page tables for the part of   true
                  the server's store that holds space, on a
-                 background thread (hicache_store.Populator), so
+                 background thread (store.Populator), so
                  first copies do not fault page by page
 ``token_proof``  ``auto``: prove the token (an HMAC per request over  ``auto``
                  the connection's hello nonce; protocol 7) and
@@ -36,7 +36,7 @@ key              meaning                                           default
                  --server-key), at start-up (env
                  ``HICACHE_SERVER_PUBLIC_KEY``)
 ``encryption_``  64 hex characters: seal every record with         none (records in the
-``key``          AES-256-GCM under this key (hicache_seal); the    clear)
+``key``          AES-256-GCM under this key (seal); the    clear)
                  server stores and serves ciphertext. Every client
                  of one tenant holds the same key (env
                  ``HICACHE_SERVER_ENCRYPTION_KEY``)
@@ -44,7 +44,7 @@ key              meaning                                           default
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
 misses, `batch_set` reports False, each counted in `stats().errors`; a circuit breaker
-(`storage_backends.common.Backoff`) then answers at once without touching the network until the
+(`hicache_client.backoff.Backoff`) then answers at once without touching the network until the
 next retry. `delete` and the clears raise `StorageUnavailable` instead (they are administrative and
 their caller must know they did not happen). A wrong token is a `ConfigError` at construction
 when the server is reachable then, and a logged, counted failure afterwards.
@@ -56,8 +56,8 @@ threads run their round trips in parallel.
 regions of a page in a host pool) copy each record straight between the server's store and the
 caller's parts on the same host (one copy), and go through a temporary per record otherwise.
 
-Modules: this one (the operations), `hicache_conn` (the pooled connections and the circuit
-breaker), `hicache_shm` (the connection's region), `hicache_store` (the server's store).
+Modules: this one (the operations), `connections` (the pooled connections and the circuit
+breaker), `shm` (the connection's region), `store` (the server's store).
 """
 
 from __future__ import annotations
@@ -66,27 +66,32 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
-from hicache.backend import (
+from hicache_client.backend import (
+    BackendStats,
     Checked,
     HeaderCheck,
     RecordChecker,
+    StorageBackend,
+    StorageConfig,
     ThreadBuffers,
+    byte_view,
     gather,
     scatter,
 )
-from hicache.codec import HEADER_BYTES, RecordHeader, verify_copied_parts, verify_record
-from hicache.errors import ConfigError, StorageCorrupt, StorageError, StorageUnavailable
-from hicache.storage import BackendStats, StorageBackend, StorageConfig
-from storage_backends.common import (
-    byte_view,
-    check_known_keys,
-    each_key_once,
-    setting,
-    verify_head,
+from hicache_client.backend_util import check_known_keys, each_key_once, setting
+from hicache_client.codec import (
+    HEADER_BYTES,
+    RecordHeader,
+    verify_copied_parts,
+    verify_record,
+    verify_record_head,
 )
-from storage_backends.hicache_conn import Connections
-from storage_backends.hicache_shm import Conn, shm_get, shm_set, split
-from storage_backends.hicache_store import (
+from hicache_client.errors import ConfigError, StorageCorrupt, StorageError, StorageUnavailable
+from hicache_client.remote import protocol as P
+from hicache_client.remote.connections import Connections
+from hicache_client.remote.malloc import tune_malloc
+from hicache_client.remote.shm import Conn, shm_get, shm_set, split
+from hicache_client.remote.store import (
     NOT_MAPPED,
     ReserveRefused,
     StoreAccess,
@@ -95,11 +100,9 @@ from storage_backends.hicache_store import (
     locate_get,
     store_set,
 )
-from storage_backends.server import protocol as P
-from storage_backends.server.malloc import tune_malloc
 
 if TYPE_CHECKING:
-    from storage_backends.hicache_seal import Sealer
+    from hicache_client.remote.seal import Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ class HiCacheServerBackend(StorageBackend):
         secret = setting(config, "encryption_key", "", env=ENCRYPTION_ENV, cast=str)
         self._sealer: Sealer | None = None
         if secret:
-            from storage_backends.hicache_seal import Sealer, parse_key
+            from hicache_client.remote.seal import Sealer, parse_key
 
             self._sealer = Sealer(parse_key(secret))
             self._sealed_buffers = ThreadBuffers()  # sealed records on their way in or out
@@ -151,7 +154,7 @@ class HiCacheServerBackend(StorageBackend):
         pinned = setting(config, "server_public_key", "", env=SERVER_KEY_ENV, cast=str)
         server_key = None
         if pinned:
-            from storage_backends.hicache_identity import parse_public_key
+            from hicache_client.remote.identity import parse_public_key
 
             server_key = parse_public_key(pinned, "hicache backend: server_public_key")
         self.conns = Connections(self.url, token, self.timeout_ms, shm=shm,
@@ -269,7 +272,7 @@ class HiCacheServerBackend(StorageBackend):
         frame, or from a temporary (the region and store paths copy into it first); then
         check it as a plain record (the tag has verified every byte: the checksum is not
         computed twice)."""
-        from storage_backends.hicache_seal import OVERHEAD
+        from hicache_client.remote.seal import OVERHEAD
 
         views = [byte_view(o) for o in out]
         sealed = self._sealed_buffers.take([len(v) + OVERHEAD for v in views])
@@ -431,7 +434,7 @@ class HiCacheServerBackend(StorageBackend):
         head = bytes(src[:HEADER_BYTES])
         header: RecordHeader | None = None
         try:
-            header = verify_head(head, key, n)
+            header = verify_record_head(head, key, n)
         except StorageCorrupt as e:
             problem: str | None = str(e)
         if header is not None:
@@ -469,7 +472,7 @@ class HiCacheServerBackend(StorageBackend):
                    ) -> list[bool]:
         if self._sealer is None:
             return self._send_parts(keys, parts)
-        from storage_backends.hicache_seal import OVERHEAD
+        from hicache_client.remote.seal import OVERHEAD
 
         sealer = self._sealer
         sizes = [sum(len(p) for p in ps) for ps in parts]

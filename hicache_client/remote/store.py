@@ -1,7 +1,7 @@
 """The client side of `hicache-server`'s shared-memory store (protocol v3 reads, v4 writes).
 
-A same-host server keeps its memory tier in an arena in /dev/shm (`storage_backends.server.
-arena`). The client maps it (`map_store`) once, read-write, and then:
+A same-host server keeps its memory tier in an arena in /dev/shm (`hicache_client.remote.
+shm_files`). The client maps it (`map_store`) once, read-write, and then:
 
 - reads in place (`locate_get`): `shm_locate` answers (offset, length, generation) per key; the
   client copies each record from its mapping into the caller's buffer and checks the generation
@@ -11,7 +11,7 @@ arena`). The client maps it (`map_store`) once, read-write, and then:
   (`storage_backends.server.reservations`). One copy, made by the client.
 
 Whatever cannot go this way (no room in the arena, a record moved during its copy, an older
-server) goes through the connection's region (`storage_backends.hicache_shm`) or TCP frames.
+server) goes through the connection's region (`hicache_client.remote.shm`) or TCP frames.
 `StoreAccess` is one backend's use of the store: the mapping, whether to use it, and counters.
 A mapping fills its page tables for the part of the arena the server holds space for on a
 background thread (`Populator`), so the hot path's copies do not fault page by page.
@@ -31,22 +31,14 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from hicache.errors import StorageError
-from storage_backends.hicache_shm import SHM_DIR, SHM_REFUSALS, Exchange, ShmLost, checked, split
-from storage_backends.server import protocol as P
-from storage_backends.server.arena import (
-    ALLOCATED_AT,
-    BLOCK,
-    HEADER,
-    HEADER_BYTES,
-    MAGIC,
-    NAME_PREFIX,
-)
-from storage_backends.server.shm import private_file_problem
+from hicache_client.errors import StorageError
+from hicache_client.remote import protocol as P
+from hicache_client.remote import shm_files as layout
+from hicache_client.remote.shm import SHM_REFUSALS, Exchange, ShmLost, checked, split
 
 logger = logging.getLogger(__name__)
 
-STORE_NAME = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
+STORE_NAME = re.compile(re.escape(layout.NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
 # A record the client must read another way (`shm_get` or TCP): not in the arena, or changed
 # while it was copied.
 NOT_MAPPED = -2
@@ -158,27 +150,28 @@ class StoreMap:
     def __init__(self, name: str, size: int, arena_id: int, *, populate: bool = True) -> None:
         if not STORE_NAME.fullmatch(name):
             raise StorageError(f"shared-memory store name {name!r} is not ours")
-        path = os.path.join(SHM_DIR, name)
-        if size < HEADER_BYTES:
+        path = os.path.join(layout.SHM_DIR, name)
+        if size < layout.HEADER_BYTES:
             raise StorageError(f"a store of {size} bytes is smaller than its header")
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            problem = private_file_problem(os.fstat(fd), size)
+            problem = layout.private_file_problem(os.fstat(fd), size)
             if problem is not None:
                 raise StorageError(f"{path} {problem}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.buf = memoryview(self._mm)
-        magic, aid, block, table, data = HEADER.unpack_from(self.buf, 0)
-        self.data_start = -(-(HEADER_BYTES + table) // BLOCK) * BLOCK
-        if (magic, aid, block) != (MAGIC, arena_id, BLOCK) or self.data_start + data != size:
+        magic, aid, block, table, data = layout.HEADER.unpack_from(self.buf, 0)
+        self.data_start = -(-(layout.HEADER_BYTES + table) // layout.BLOCK) * layout.BLOCK
+        if (magic, aid, block) != (layout.MAGIC, arena_id, layout.BLOCK) \
+                or self.data_start + data != size:
             self.close()
             raise StorageError(f"{path} is not the arena {arena_id} of the server")
         self.id = arena_id
         self.size = size
-        self._gens = self.buf[HEADER_BYTES : HEADER_BYTES + table].cast("Q")
-        self._mark = self.buf[ALLOCATED_AT : ALLOCATED_AT + 8].cast("Q")
+        self._gens = self.buf[layout.HEADER_BYTES : layout.HEADER_BYTES + table].cast("Q")
+        self._mark = self.buf[layout.ALLOCATED_AT : layout.ALLOCATED_AT + 8].cast("Q")
         self.populator = Populator(self._mm, self.data_start, self._mark) if populate else None
         self._poke = self.populator.poke if self.populator is not None else _nothing
         self._poke()
@@ -186,7 +179,7 @@ class StoreMap:
     def _block(self, offset: int, length: int) -> int:
         """The first block of a record of `length` bytes at `offset`; -1 when that is not a
         record place in the data (not block-aligned, or outside)."""
-        block, rem = divmod(offset - self.data_start, BLOCK)
+        block, rem = divmod(offset - self.data_start, layout.BLOCK)
         if block < 0 or rem or not offset < offset + length <= self.size:
             return -1
         return block
@@ -214,7 +207,7 @@ class StoreMap:
     def current(self, offset: int, gen: int) -> bool:
         """Whether the record at `offset` (a place `view` accepted) still has generation `gen`:
         it was not freed since (so not overwritten by another record)."""
-        return bool(self._gens[(offset - self.data_start) // BLOCK] == gen)
+        return bool(self._gens[(offset - self.data_start) // layout.BLOCK] == gen)
 
     def write(self, offset: int, gen: int, src: memoryview | Sequence[memoryview]) -> bool:
         """Copy `src` (one buffer, or a record's parts one after the other) into the slot

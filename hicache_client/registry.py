@@ -1,29 +1,29 @@
 """The backend registry: backend names -> factories (entry points, run-time registrations).
 
-Backends are found through the ``hicache.storage_backends`` entry-point group and imported only
-when asked for; `memory` (hicache.memory_backend) is also known by module path. A source tree
-whose package metadata is not installed (run in place from ``PYTHONPATH``) has no entry points:
-there the names the tree's `storage_backends` package lists (`storage_backends.BACKENDS`, looked up
-by name, never imported from here otherwise) are found too. A name of the form `module:Class`
-loads that class directly (a third-party backend without an entry point).
+Backends are found through the ``hicache.storage_backends`` entry-point group, which each
+distribution declares in its pyproject.toml (the client: `hicache`; the main one: `memory`,
+`file`, `redis`, `mooncake`, `lmcache`, `hf3fs`), and imported only when asked for. That
+declaration is the only list: a source tree whose package metadata is not installed (run in
+place from ``PYTHONPATH``) reads the same tables from its pyproject files. A name of the form
+`module:Class` loads that class directly (a third-party backend without an entry point).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
-from hicache.backend import StorageBackend, StorageConfig
-from hicache.errors import ConfigError
+from hicache_client.backend import StorageBackend, StorageConfig
+from hicache_client.errors import ConfigError
 
 ENTRY_POINT_GROUP = "hicache.storage_backends"
-# Built-in backends by "module:attribute" (imported lazily; no import edge to them here).
-_BUILTIN = {"memory": "hicache.memory_backend:MemoryBackend"}
-# The package whose `BACKENDS` table ("name" -> "module:attribute") stands in for entry points
-# that are not installed (a source tree on PYTHONPATH).
-SOURCE_TREE_PACKAGE = "storage_backends"
+# The distributions' own declarations of that group, read where the package metadata is not
+# installed (a source tree run in place from PYTHONPATH): the same table, never a second one.
+_SOURCE_TREE_PYPROJECTS = ("pyproject.toml", "clients/hicache-client/pyproject.toml")
 
 BackendFactory = Callable[[StorageConfig], StorageBackend]
 _registered: dict[str, BackendFactory] = {}
@@ -36,24 +36,34 @@ def register_backend(name: str, factory: BackendFactory) -> None:
         _registered[name] = factory
 
 
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def _entry_points() -> dict[str, str]:
+    """Backend name -> "module:attribute", from the installed entry points, else from the
+    source tree's pyproject files (when this package runs from a checkout)."""
+    eps = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return {**_source_tree(), **eps}
 
 
+@functools.cache
 def _source_tree() -> dict[str, str]:
-    """`storage_backends.BACKENDS` when that package is importable (else nothing)."""
     try:
-        table = importlib.import_module(SOURCE_TREE_PACKAGE).BACKENDS
-    except (ImportError, AttributeError):
+        import tomllib
+    except ImportError:  # Python 3.10: a source tree must be installed to find backends by name
         return {}
-    return dict(table)
+    root = Path(__file__).resolve().parents[1]
+    table: dict[str, str] = {}
+    for rel in _SOURCE_TREE_PYPROJECTS:
+        path = root / rel
+        if path.is_file():
+            project = tomllib.loads(path.read_text()).get("project", {})
+            table.update(project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}))
+    return table
 
 
 def known_backends() -> list[str]:
     """Every backend name that `create_backend` accepts."""
     with _registry_lock:
         names = set(_registered)
-    return sorted(names | set(_entry_points()) | set(_source_tree()) | set(_BUILTIN))
+    return sorted(names | set(_entry_points()))
 
 
 def _load(spec: str) -> BackendFactory:
@@ -69,22 +79,19 @@ def get_backend_class(name: str) -> BackendFactory:
     with _registry_lock:
         if name in _registered:
             return _registered[name]
-    if name in _BUILTIN:
-        return _load(_BUILTIN[name])
     if ":" in name:
         try:
             return _load(name)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"storage backend {name!r} cannot be loaded: {e}") from e
-    eps = _entry_points()
-    tree = _source_tree() if name not in eps else {}
-    if name not in eps and name not in tree:
+    spec = _entry_points().get(name)
+    if spec is None:
         raise ConfigError(
             f"unknown storage backend {name!r}; known: {', '.join(known_backends())}"
         )
     try:
-        factory: BackendFactory = eps[name].load() if name in eps else _load(tree[name])
-    except ImportError as e:
+        factory = _load(spec)
+    except (ImportError, AttributeError) as e:
         raise ConfigError(
             f"storage backend {name!r} is installed but cannot be imported ({e}); "
             f"install its extra: pip install 'hicache[{name}]'"

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from hicache.errors import ConfigError, StorageCorrupt
+from hicache_client.errors import ConfigError, StorageCorrupt
 
 RECORD_MAGIC = b"HKVP"
 RECORD_VERSION = 2  # what PageCodec writes

@@ -8,7 +8,7 @@
   chunks.
 - **Storage key.** `sha256(seed ‖ chunk hash)` in hex: the server key is namespaced too, so two
   models never even address each other's records.
-- **Record.** A `hicache.codec.PageCodec` record (magic, version, namespace, key digest, token
+- **Record.** A `hicache_client.codec.PageCodec` record (magic, version, namespace, key digest, token
   count, dtype, shape, XXH3 checksum) whose payload is the chunk's bytes exactly as LMCache
   holds them (layout `raw`; LMCache's format is part of the namespace). Every record has the
   size of a *full* chunk: a partial chunk (the shorter last chunk of a prompt) is stored zero-
@@ -28,8 +28,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache.codec import DTYPE_CODES, HEADER_BYTES, PageCodec, RecordHeader
-from storage_backends.common import encode_header
+from hicache_client.codec import (
+    DTYPE_CODES,
+    HEADER_BYTES,
+    PageCodec,
+    RecordHeader,
+    encode_record_header,
+)
 
 TAG = "hicache/lmcache-chunk/v1"
 LAYOUT = "raw"
@@ -146,7 +151,7 @@ def seal(layout: ChunkLayout, seed: bytes, key: str, tokens: int,
     tokens whose payload is `payload` (`payload_parts`): `head` then the payload is the record,
     its checksum computed over the payload where it lies."""
     dtype, shape, itemsize = layout.record_format
-    encode_header(_codec(seed, dtype, shape, itemsize, tokens), key, payload, head)
+    encode_record_header(_codec(seed, dtype, shape, itemsize, tokens), key, payload, head)
 
 
 def judge(layout: ChunkLayout, seed: bytes, header: RecordHeader) -> str | None:

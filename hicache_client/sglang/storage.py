@@ -35,16 +35,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.backend import StorageConfig
-from hicache.errors import ConfigError
-from integrations.sglang.pages import HostPages, tensor_bytes
-from integrations.sglang.settings import (
+from hicache_client.backend import StorageConfig
+from hicache_client.errors import ConfigError
+from hicache_client.remote.backend import HiCacheServerBackend
+from hicache_client.sglang.pages import HostPages, tensor_bytes
+from hicache_client.sglang.settings import (
     namespace_for,
     parse_settings,
     rank_view,
     storage_key,
 )
-from storage_backends.hicache_backend import HiCacheServerBackend
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from hicache.errors import ConfigError
-from hicache.units import parse_bytes
-from storage_backends.common import as_bool
+from hicache_client.backend_util import as_bool
+from hicache_client.errors import ConfigError
+from hicache_client.units import parse_bytes
 
 PLUGIN_TYPE = "hicache"
 SCHEME = "hicache://"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal, NamedTuple
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 Unit = Literal["bytes", "tokens", "pages"]
 

@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from hicache.errors import ConfigError
+from hicache_client.errors import ConfigError
 
 CONTEXT = b"hicache-server-key/v1 hello protocol 7\0"  # the protocol's version is bound in
 

@@ -3,7 +3,7 @@ never sees (the `hicache` backend's ``encryption_key``).
 
 A sealed record is what the server stores, serves, keeps in its arena and writes to disk::
 
-    header'   128 bytes: the record's header (hicache.codec) with magic ``HKVS`` and the
+    header'   128 bytes: the record's header (hicache_client.codec) with magic ``HKVS`` and the
               checksum field encrypted (below); readable (namespace, key digest, shape,
               lengths) so the server can still clear by namespace and count pages
     nonce     12 random bytes
@@ -29,8 +29,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from hicache.codec import HEADER_BYTES, RECORD_MAGIC, checksum_v2
-from hicache.errors import ConfigError
+from hicache_client.codec import HEADER_BYTES, RECORD_MAGIC, checksum_v2
+from hicache_client.errors import ConfigError
 
 SEALED_MAGIC = b"HKVS"
 NONCE_BYTES = 12

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Union
 
 import msgpack
 
-from hicache.errors import StorageError
+from hicache_client.errors import StorageError
 
 # A frame as it is sent (bytes or any buffer) or received (zmq.Frame exposes `.buffer`).
 Buffer = Union[bytes, bytearray, memoryview]

@@ -1,4 +1,4 @@
-"""glibc malloc tuning shared by `hicache-server` and its clients (`storage_backends.hicache_backend`).
+"""glibc malloc tuning shared by `hicache-server` and its clients (`hicache_client.remote.backend`).
 
 A module of its own, with no dependencies, so the thin client distribution ships it without the
 server's store.
