@@ -134,11 +134,14 @@ class PageStore:
             self.counters.misses += len(out) - hits
         return out
 
+    def peek(self, keys: Sequence[str]) -> list[Value | None]:
+        """Each page held (None: absent), without touching recency or counters."""
+        with self._lock:
+            return [self._lru.get(k, touch=False) for k in keys]
+
     def sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Bytes of each page held (None: absent), without touching recency or counters."""
-        with self._lock:
-            values = [self._lru.get(k, touch=False) for k in keys]
-        return [None if v is None else nbytes(v) for v in values]
+        return [None if v is None else nbytes(v) for v in self.peek(keys)]
 
     def put(self, key: str, value: Value, *, to_arena: bool = False) -> tuple[bool, list[str]]:
         """Store one page; returns (stored, keys evicted to make room). `to_arena`: `value` is

@@ -305,7 +305,7 @@ class Tiers:
             deadline = time.monotonic() + self.config.persist_block_ms / 1000.0
             for k, n in zip(keys, sizes):
                 if n >= 0 and self.persist.size_of(k) is None:
-                    v = self.store._lru.get(k, touch=False)  # noqa: SLF001 - no recency, counters
+                    (v,) = self.store.peek([k])
                     if v is not None:
                         self._persist(k, self.frame(v), deadline)
         return pinned, len(keys) - pinned
