@@ -268,12 +268,12 @@ class NamespaceCounters:
 
 
 def namespace_rows(
-    held: Iterable[tuple[str, str, int]], pins: Pins, counters: NamespaceCounters,
-    disk: dict[str, tuple[int, int]] | None = None,
+    memory: dict[str, tuple[int, int]], pinned: dict[str, tuple[int, int]],
+    counters: NamespaceCounters, disk: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Per namespace: pages, bytes (in memory), disk pages and bytes, pinned pages and bytes,
-    hits (either tier), misses. `held`: (key, namespace, bytes) of every page in memory;
-    `disk`: namespace -> (pages, bytes) persisted."""
+    hits (either tier), misses. Each of `memory`, `pinned` and `disk` maps a namespace to its
+    (pages, bytes) in that place."""
     rows: dict[str, dict[str, int]] = {}
 
     def row(ns: str) -> dict[str, int]:
@@ -283,17 +283,10 @@ def namespace_rows(
                             "pinned_pages": 0, "pinned_bytes": 0, "hits": 0, "misses": 0}
         return r
 
-    now = time.time()
-    for key, ns, n in held:
-        r = row(ns)
-        r["pages"] += 1
-        r["bytes"] += n
-        if pins.holds(key, now):
-            r["pinned_pages"] += 1
-            r["pinned_bytes"] += n
-    for ns, (pages, nbytes) in (disk or {}).items():
-        r = row(ns)
-        r["disk_pages"], r["disk_bytes"] = pages, nbytes
+    for prefix, table in (("", memory), ("disk_", disk or {}), ("pinned_", pinned)):
+        for ns, (pages, nbytes) in table.items():
+            r = row(ns)
+            r[prefix + "pages"], r[prefix + "bytes"] = pages, nbytes
     for ns, n in list(counters.hits.items()):
         row(ns)["hits"] = n
     for ns, n in list(counters.misses.items()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from storage_backends.server.admin import NamespaceCounters, Pins, namespace_rows
+from storage_backends.server.admin import NamespaceCounters, Pins
 from storage_backends.server.store import PageStore, WriteBehind
 
 
@@ -27,6 +27,8 @@ class TierView(Protocol):
     def pinned_bytes(self, keys: Any = None) -> int: ...
 
     def disk_namespaces(self) -> dict[str, tuple[int, int]]: ...
+
+    def namespace_rows(self) -> dict[str, dict[str, int]]: ...
 
 
 class Observed(Protocol):
@@ -50,7 +52,8 @@ class Observed(Protocol):
 
 class NamespaceCollector:
     """`hicache_server_namespace_pages` / `_bytes` {namespace, tier=memory|disk}, read at each
-    scrape (memory: the store's map; disk: the persisted files' index, each header read once)."""
+    scrape (memory: the store's running totals, no walk; disk: the persisted files' index, each
+    header read once)."""
 
     def __init__(self, tiers: TierView) -> None:
         self.tiers = tiers
@@ -59,7 +62,7 @@ class NamespaceCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         t = self.tiers
-        rows = namespace_rows(t.store.held(), t.pins, t.namespaces, t.disk_namespaces())
+        rows = t.namespace_rows()
         pages = GaugeMetricFamily("hicache_server_namespace_pages",
                                   "Pages held per namespace and tier", labels=["namespace", "tier"])
         nbytes = GaugeMetricFamily("hicache_server_namespace_bytes",

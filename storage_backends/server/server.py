@@ -591,8 +591,9 @@ class HiCacheServer:
         """A tenant's clear, namespace clear and stats: of its own partition only."""
         rid = req.request_id
         if isinstance(req, P.StatsRequest):
-            held = [n for k, _, n in self.tiers.store.held() if tenant.owns(k)]
-            return P.StatsReply(request_id=rid, stats={"pages": len(held), "bytes": sum(held)})
+            totals = self.tiers.store.namespace_totals(partition=tenant.tag).values()
+            return P.StatsReply(request_id=rid, stats={"pages": sum(p for p, _ in totals),
+                                                       "bytes": sum(b for _, b in totals)})
         ns = bytes.fromhex(req.namespace) if isinstance(req, P.ClearNamespaceRequest) else None
         n = self.clear_partition(tenant, ns)
         logger.info("tenant %s cleared %s of its partition (%d pages)", tenant.name,
@@ -606,9 +607,8 @@ class HiCacheServer:
         memory and on disk, and their pins; how many (the larger tier's count)."""
         tiers, tag = self.tiers, tenant.tag
         ns = namespace.hex() if namespace is not None else None
-        keys = [k for k, n, _ in tiers.store.held() if k.startswith(tag) and ns in (None, n)]
-        if keys and len(tiers.pins):
-            tiers.pins.unpin(keys)
+        if len(tiers.pins):
+            tiers.pins.unpin(tiers.pinned_keys(ns, tag))
         n = tiers.store.clear_namespace(namespace, tag)
         if tiers.persist is not None:
             n = max(n, tiers.persist.clear_namespace(namespace, tag))

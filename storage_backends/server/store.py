@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -83,13 +84,22 @@ class PageStore:
     never evicted: a page that only their eviction would make room for is refused.
     """
 
-    def __init__(self, capacity_bytes: int, arena: Arena | None = None) -> None:
+    def __init__(self, capacity_bytes: int, arena: Arena | None = None,
+                 partition_chars: int = 0) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.arena = arena
         self._lru: LRUByteStore[Value] = LRUByteStore(capacity_bytes, size=nbytes)
         self._lock = threading.Lock()
+        # Pages and bytes held per (partition, namespace), kept as pages come and go so that a
+        # metrics scrape or a tenant's `stats` never walks the map: the partition is a key's
+        # first `partition_chars` characters (a tenant's tag; "" without tenants), the
+        # namespace the one its record's header names, read once when it is stored (a
+        # same-host client could rewrite an arena record in place later).
+        self.partition_chars = partition_chars
+        self._ns_of: dict[str, str] = {}
+        self._totals: dict[tuple[str, str], list[int]] = {}
         self.counters = StoreCounters()
         self.pins: Pins | None = None
         self.leases = ReadLeases(arena.free if arena is not None else _no_free)
@@ -115,6 +125,22 @@ class PageStore:
             assert self.arena is not None
             return self.arena.view(value)
         return value if isinstance(value, memoryview) else memoryview(value)
+
+    def _count_in(self, key: str, value: Value) -> None:
+        ns = sys.intern(namespace_of(self.view(value)[:_NS_END]) or "-")
+        self._ns_of[key] = ns
+        row = self._totals.setdefault((key[:self.partition_chars], ns), [0, 0])
+        row[0] += 1
+        row[1] += nbytes(value)
+
+    def _count_out(self, key: str, value: Value) -> None:
+        ns = self._ns_of.pop(key)
+        pk = (key[:self.partition_chars], ns)
+        row = self._totals[pk]
+        row[0] -= 1
+        row[1] -= nbytes(value)
+        if row[0] == 0:
+            del self._totals[pk]
 
     def _drop(self, values: Sequence[Value]) -> None:
         for v in values:
@@ -162,12 +188,17 @@ class PageStore:
                 self.counters.rejected += 1
                 self._drop([value])
                 return False, []
+            for k, v in dropped:
+                self._count_out(k, v)
+            if old is not None:
+                self._count_out(key, old)
             self._drop([v for _, v in dropped] + ([old] if old is not None else []))
             if to_arena:
                 src = self.view(value)
                 slot = self.arena.store(src) if self.arena is not None else None
                 value = slot if slot is not None else src.tobytes()
             self._lru.put(key, value)
+            self._count_in(key, value)
             self.counters.evictions += len(dropped)
         return True, [k for k, _ in dropped]
 
@@ -197,24 +228,31 @@ class PageStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         with self._lock:
-            dropped = [v for v in (self._lru.pop(k) for k in keys) if v is not None]
-            self._drop(dropped)
+            dropped = [(k, v) for k, v in ((k, self._lru.pop(k)) for k in keys) if v is not None]
+            for k, v in dropped:
+                self._count_out(k, v)
+            self._drop([v for _, v in dropped])
             return len(dropped)
 
     def clear(self) -> None:
         with self._lock:
             self._drop([self._lru[k] for k in self._lru])
             self._lru.clear()
+            self._ns_of.clear()
+            self._totals.clear()
 
     def clear_namespace(self, namespace: builtins.bytes | None, prefix: str = "") -> int:
         """Drop every record of `namespace` (named in its header; None: any) whose key starts
         with `prefix` (a tenant's partition); how many were dropped."""
         with self._lock:
-            keys = [k for k in self._lru if k.startswith(prefix) and (
-                namespace is None
-                or in_namespace(self.view(self._lru.get(k, touch=False))[:_NS_END], namespace))]
-            dropped = [self._lru.pop(k) for k in keys]
-            self._drop([v for v in dropped if v is not None])
+            ns = None if namespace is None else namespace.hex()
+            keys = [k for k, n in self._ns_of.items()
+                    if k.startswith(prefix) and ns in (None, n)]
+            dropped = [(k, self._lru.pop(k)) for k in keys]
+            for k, v in dropped:
+                assert v is not None
+                self._count_out(k, v)
+            self._drop([v for _, v in dropped if v is not None])
             return len(keys)
 
     def lease(self, ident: builtins.bytes, values: Sequence[Value | None]) -> None:
@@ -238,14 +276,31 @@ class PageStore:
         with self._lock:
             return self.leases.expire()
 
+    def namespace_totals(self, partition: str | None = None) -> dict[str, tuple[int, int]]:
+        """Namespace ("-": not a record) -> (pages, bytes) in memory; of one partition (a
+        tenant's tag) only, unless None. Kept up to date as pages come and go: no walk."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for (part, ns), (pages, nb) in self._totals.items():
+                if partition is None or part == partition:
+                    p0, b0 = out.get(ns, (0, 0))
+                    out[ns] = (p0 + pages, b0 + nb)
+        return out
+
+    def namespaces_of(self, keys: Sequence[str]) -> list[str | None]:
+        """The namespace each page's record named when it was stored (None: not held)."""
+        with self._lock:
+            return [self._ns_of.get(k) for k in keys]
+
     def held(self) -> list[tuple[str, str, int]]:
-        """(key, namespace, bytes) of every page in memory (namespace "-": not a record)."""
+        """(key, namespace, bytes) of every page in memory (namespace "-": not a record): a
+        walk of the whole map, for tests and debugging (`namespace_totals` is the cheap view)."""
         with self._lock:
             out = []
             for k in self._lru:
                 v = self._lru.get(k, touch=False)
                 assert v is not None
-                out.append((k, namespace_of(self.view(v)[:_NS_END]) or "-", nbytes(v)))
+                out.append((k, self._ns_of[k], nbytes(v)))
             return out
 
     def lru_order(self) -> list[str]:

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 RIGHTS = ("read", "write", "clear")
 _HEX = re.compile(r"[0-9a-f]+")
 _MAX_PLAIN_KEY = 112  # tag (16) + key stays a hex name the file backend keeps (<= 128)
-_TAG_CHARS = 16
+TAG_CHARS = 16
 
 
 class TenantsError(ValueError):
@@ -84,7 +84,7 @@ class Tenant:
 def partition_tag(namespace: str) -> str:
     """The 16 hex characters every stored key of partition `namespace` starts with."""
     digest = hashlib.sha256(b"hicache-tenant-partition\0" + namespace.encode()).hexdigest()
-    return digest[:_TAG_CHARS]
+    return digest[:TAG_CHARS]
 
 
 def _token_id(token: str) -> bytes:

@@ -36,6 +36,7 @@ from storage_backends.server.store import (
     namespace_of,
     nbytes,
 )
+from storage_backends.server.tenants import TAG_CHARS
 
 if TYPE_CHECKING:
     from storage_backends.server.cli import ServerConfig
@@ -48,7 +49,8 @@ class Tiers:
     def __init__(self, config: ServerConfig, arena: Arena | None = None) -> None:
         self.config = config
         self.arena = arena
-        self.store = PageStore(config.capacity_bytes, arena)
+        self.store = PageStore(config.capacity_bytes, arena,
+                               partition_chars=TAG_CHARS if config.tenants_file else 0)
         # One connection may hold at most a quarter of the arena reserved at a time.
         self.reservations = Reservations(
             self.store.reserve, self.store.free, (arena.blocks * BLOCK) // 4 if arena else 0
@@ -261,8 +263,7 @@ class Tiers:
         """Drop every page whose record names `namespace`, in both tiers; how many (the larger
         of the two tiers' counts, as `delete`); its pins and counters go too."""
         ns = namespace.hex()
-        if len(self.pins) and (dropped := self.pins.unpin(
-                [k for k, n, _ in self.store.held() if n == ns])):
+        if len(self.pins) and (dropped := self.pins.unpin(self.pinned_keys(ns))):
             logger.info("clearing namespace %s dropped %d pins", ns, dropped)
         self.namespaces.forget(ns)
         n = self.store.clear_namespace(namespace)
@@ -345,10 +346,25 @@ class Tiers:
             cache.pop(path, None)
         return out
 
+    def pinned_keys(self, namespace: str | None = None, prefix: str = "") -> list[str]:
+        """The pinned keys starting with `prefix` whose pages are held in memory as records of
+        `namespace` (None: any)."""
+        pinned = self.pins.keys()
+        keys = [k for k in pinned if k.startswith(prefix)]
+        return [k for k, ns in zip(keys, self.store.namespaces_of(keys))
+                if ns is not None and namespace in (None, ns)]
+
     def namespace_rows(self) -> dict[str, dict[str, int]]:
-        """The admin's `stats` rows: memory and disk pages, pins, hits and misses."""
+        """The admin's `stats` rows: memory and disk pages, pins, hits and misses (the memory
+        tier's from its running totals, the pins' from the pins alone: nothing walks every
+        page)."""
         self.pins.expire()
-        return namespace_rows(self.store.held(), self.pins, self.namespaces,
+        pinned: dict[str, tuple[int, int]] = {}
+        for _, ns, n, _ in self.pin_list():
+            if n >= 0:
+                pages, nbytes_ = pinned.get(ns, (0, 0))
+                pinned[ns] = (pages + 1, nbytes_ + n)
+        return namespace_rows(self.store.namespace_totals(), pinned, self.namespaces,
                               self.disk_namespaces())
 
     def pin_list(self) -> list[tuple[str, str, int, int]]:
@@ -356,11 +372,13 @@ class Tiers:
         lease))."""
         self.pins.expire()
         now = time.time()
-        held = {k: (ns, n) for k, ns, n in self.store.held()}
+        items = self.pins.items()
+        keys = [k for k, _ in items]
         out: list[tuple[str, str, int, int]] = []
-        for key, until in self.pins.items():
-            ns, n = held.get(key, ("-", -1))
-            out.append((key, ns, n, max(0, int((until - now) * 1000)) if until else -1))
+        for (key, until), ns, n in zip(items, self.store.namespaces_of(keys),
+                                       self.store.sizes(keys)):
+            out.append((key, ns or "-", -1 if n is None else n,
+                        max(0, int((until - now) * 1000)) if until else -1))
         return out
 
     def stats(self) -> dict[str, int]:
