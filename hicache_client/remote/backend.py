@@ -39,7 +39,9 @@ key              meaning                                           default
 ``key``          AES-256-GCM under this key (seal); the    clear)
                  server stores and serves ciphertext. Every client
                  of one tenant holds the same key (env
-                 ``HICACHE_SERVER_ENCRYPTION_KEY``)
+                 ``HICACHE_SERVER_ENCRYPTION_KEY``). A request
+                 of sealed records holds as many as a plain one:
+                 its byte limits grow by the seal's 28 bytes a key
 ===============  ================================================  ==========================
 
 A dead or unreachable server never fails the caller: `batch_exists` answers 0, `batch_get`
@@ -137,14 +139,21 @@ class HiCacheServerBackend(StorageBackend):
             )
         # shm requests are smaller (8 per region) so the two sides' copies overlap.
         self._shm_request_bytes = min(self.batch_bytes, max(1, self.shm_bytes // 8))
+        self._request_bytes = self.batch_bytes  # of the records in one get or set over TCP
         shm = setting(config, "shm", True)
         secret = setting(config, "encryption_key", "", env=ENCRYPTION_ENV, cast=str)
         self._sealer: Sealer | None = None
         if secret:
-            from hicache_client.remote.seal import Sealer, parse_key
+            from hicache_client.remote.seal import OVERHEAD, Sealer, parse_key
 
             self._sealer = Sealer(parse_key(secret))
             self._sealed_buffers = ThreadBuffers()  # sealed records on their way in or out
+            # A sealed request carries the records a plain one would: its budget grows by the
+            # seal's bytes per key (without it two sealed 1 MiB records overflow a 2 MiB
+            # region request, and a set or get went in twice the requests).
+            slack = OVERHEAD * self.batch_keys
+            self._shm_request_bytes += slack
+            self._request_bytes += slack
         if setting(config, "tune_malloc", True):
             tune_malloc()
         proof = setting(config, "token_proof", "auto", cast=str)
@@ -360,7 +369,7 @@ class HiCacheServerBackend(StorageBackend):
                 return []
             tcp_idx[:] = idx
             chunks[:] = split(len(idx), [len(views[i]) for i in idx], self.batch_keys,
-                              self.batch_bytes)
+                              self._request_bytes)
             reqs = [P.GetRequest(keys=[keys[idx[j]] for j in c]) for c in chunks]
             return exchange(reqs, copy_out)
 
@@ -549,7 +558,7 @@ class HiCacheServerBackend(StorageBackend):
             size = 0
             for i in idx:
                 if not reqs or len(index[-1]) >= self.batch_keys \
-                        or size + sizes[i] > self.batch_bytes:
+                        or size + sizes[i] > self._request_bytes:
                     reqs.append(P.SetRequest())
                     index.append([])
                     size = 0

@@ -198,3 +198,34 @@ def test_the_checksum_travels_encrypted_and_older_records_still_open() -> None:
     out2 = bytearray(len(rec))
     assert s.open_into(keys[0], memoryview(old), memoryview(out2)) is None
     assert out2 == recs[0]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "region"])
+def test_a_sealed_batch_takes_as_many_requests_as_a_plain_one(tmp_path: Path, shm: bool) -> None:
+    """The seal's bytes do not push records into requests of their own: with requests of two
+    records' bytes, a batch of N sealed records is set and read through the connection's
+    region, or over TCP, in N / 2 requests, as a plain batch is (two sealed records overflowed
+    such a request, and a sealed batch went in N requests)."""
+    rec = HEADER_BYTES + PAYLOAD
+    sent: dict[str, tuple[int, int]] = {}
+    with hicache_server(tmp_path, args=["--shm-store-bytes", "0"]) as srv:
+        for space, key in (("plain", None), ("sealed", KEY)):
+            keys, recs = pages(space, N, PAYLOAD)
+            extra: dict[str, object] = {"shm": shm, "batch_bytes": 2 * rec, "shm_bytes": 16 * rec}
+            if key is not None:
+                extra["encryption_key"] = key
+            b = client_of(srv.url, **extra)
+            try:
+                out = buffers(N, rec)
+                # The connection, its region, the question of the server's store: settled.
+                assert b.batch_get(keys, out) == [False] * N
+                before = b.server_stats()["requests"]
+                assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
+                mid = b.server_stats()["requests"]
+                assert b.batch_get(keys, out) == [True] * N
+                assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+                sent[space] = (mid - before - 1, b.server_stats()["requests"] - mid - 1)
+                assert b.arena.writes == b.arena.reads == 0  # not through the server's store
+            finally:
+                b.close()
+    assert sent == {"plain": (N // 2, N // 2), "sealed": (N // 2, N // 2)}
