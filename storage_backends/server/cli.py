@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenants-file",
         default=None,
         help="TOML (or .json) file of tenants: each token's tenant, partition and rights (read, "
-        "write, clear); the server keys every page by its tenant's partition, so no tenant reads, "
+        "write, clear), and optionally the partition's cap in memory (max_bytes: past it the "
+        "partition evicts its own pages, never another's); the server keys every page by its "
+        "tenant's partition, so no tenant reads, "
         "probes, overwrites or clears another's (docs/security.md). Read again on SIGHUP and by "
         "`hicache-admin reload-tenants`. Excludes --auth-token; turns the shared-memory store off "
         "for tenants (same-host clients use their own regions). Default: no tenants",

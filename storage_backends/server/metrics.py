@@ -23,6 +23,7 @@ class TierView(Protocol):
     pins: Pins
     namespaces: NamespaceCounters
     disk_hits: int
+    partitions: dict[str, tuple[str, int]]
 
     def pinned_bytes(self, keys: Any = None) -> int: ...
 
@@ -78,6 +79,30 @@ class NamespaceCollector:
         yield nbytes
 
 
+class PartitionCollector:
+    """`hicache_server_partition_bytes` / `_max_bytes` {partition}: each tenant partition's
+    bytes in memory and its cap (`max_bytes`, 0: none), read at each scrape from running
+    totals. Present only with a tenants file."""
+
+    def __init__(self, tiers: TierView) -> None:
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        held = GaugeMetricFamily("hicache_server_partition_bytes",
+                                 "Bytes a tenant partition holds in memory", labels=["partition"])
+        cap = GaugeMetricFamily("hicache_server_partition_max_bytes",
+                                "A tenant partition's cap in memory (max_bytes; 0: none)",
+                                labels=["partition"])
+        for tag, (name, max_bytes) in sorted(self.tiers.partitions.items(),
+                                             key=lambda kv: kv[1][0]):
+            held.add_metric([name], self.tiers.store.partition_bytes(tag))
+            cap.add_metric([name], max_bytes)
+        yield held
+        yield cap
+
+
 class Metrics:
     """Prometheus metrics of one server (a private registry, exported on --metrics-port)."""
 
@@ -109,10 +134,15 @@ class Metrics:
              lambda: store.leases.counters["read_leases"]),
             ("hicache_server_disk_hits", "Pages found on disk (not in memory) by get",
              lambda: tiers.disk_hits),
+            ("hicache_server_quota_evictions", "Pages a tenant partition evicted of its own "
+             "to stay under its max_bytes, since start", lambda: store.counters.quota_evictions),
+            ("hicache_server_quota_rejected", "Pages refused: larger than their partition's "
+             "max_bytes, or only its kept pages could make room", lambda: store.counters.quota_rejected),
         )
         for name, doc, fn in gauges:
             pc.Gauge(name, doc, registry=reg).set_function(fn)
         reg.register(NamespaceCollector(tiers))
+        reg.register(PartitionCollector(tiers))
         self.hits = pc.Counter("hicache_server_hits", "Pages found by get (memory or disk)",
                                registry=reg)
         self.misses = pc.Counter("hicache_server_misses", "Pages get did not find", registry=reg)

@@ -76,6 +76,8 @@ class HiCacheServer:
         self._admin_token = config.admin_token.encode() if config.admin_token else None
         self.tenants = (Tenants(config.tenants_file, config.admin_token)
                         if config.tenants_file else None)
+        if self.tenants is not None:
+            self.tiers.set_partitions(self.tenants.partitions())
         self._server_key = None  # Ed25519PrivateKey: signs hello replies (--server-key)
         if config.server_key:
             from hicache_client.remote.identity import load_private_key
@@ -166,7 +168,10 @@ class HiCacheServer:
         are keyed by partition, not by token)."""
         if self.tenants is None:
             return False, "this server has no tenants file (--tenants-file)"
-        return self.tenants.reload()
+        ok, summary = self.tenants.reload()
+        if ok:
+            self.tiers.set_partitions(self.tenants.partitions())
+        return ok, summary
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -593,7 +598,8 @@ class HiCacheServer:
         if isinstance(req, P.StatsRequest):
             totals = self.tiers.store.namespace_totals(partition=tenant.tag).values()
             return P.StatsReply(request_id=rid, stats={"pages": sum(p for p, _ in totals),
-                                                       "bytes": sum(b for _, b in totals)})
+                                                       "bytes": sum(b for _, b in totals),
+                                                       "max_bytes": tenant.max_bytes})
         ns = bytes.fromhex(req.namespace) if isinstance(req, P.ClearNamespaceRequest) else None
         n = self.clear_partition(tenant, ns)
         logger.info("tenant %s cleared %s of its partition (%d pages)", tenant.name,

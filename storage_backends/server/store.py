@@ -71,6 +71,8 @@ class StoreCounters:
     misses: int = 0  # pages get did not find
     evictions: int = 0  # pages dropped to stay under the capacity
     rejected: int = 0  # pages refused because one is larger than the whole capacity
+    quota_evictions: int = 0  # pages of a partition dropped to keep it under its max_bytes
+    quota_rejected: int = 0  # pages refused: only the partition's kept pages are over its quota
 
 
 class PageStore:
@@ -100,6 +102,13 @@ class PageStore:
         self.partition_chars = partition_chars
         self._ns_of: dict[str, str] = {}
         self._totals: dict[tuple[str, str], list[int]] = {}
+        # Per partition (tenants only): its bytes, its keys least recently used first, and
+        # its byte quota (a tenant's `max_bytes`; the server sets `quotas` from the tenants
+        # file). A page that would take a partition past its quota evicts that partition's
+        # own least recently used pages first, never another's.
+        self.quotas: dict[str, int] = {}
+        self._part_bytes: dict[str, int] = {}
+        self._order: dict[str, OrderedDict[str, None]] = {}
         self.counters = StoreCounters()
         self.pins: Pins | None = None
         self.leases = ReadLeases(arena.free if arena is not None else _no_free)
@@ -129,18 +138,61 @@ class PageStore:
     def _count_in(self, key: str, value: Value) -> None:
         ns = sys.intern(namespace_of(self.view(value)[:_NS_END]) or "-")
         self._ns_of[key] = ns
-        row = self._totals.setdefault((key[:self.partition_chars], ns), [0, 0])
+        part = key[:self.partition_chars]
+        row = self._totals.setdefault((part, ns), [0, 0])
         row[0] += 1
         row[1] += nbytes(value)
+        if self.partition_chars:
+            self._part_bytes[part] = self._part_bytes.get(part, 0) + nbytes(value)
+            self._order.setdefault(part, OrderedDict())[key] = None
 
     def _count_out(self, key: str, value: Value) -> None:
         ns = self._ns_of.pop(key)
-        pk = (key[:self.partition_chars], ns)
-        row = self._totals[pk]
+        part = key[:self.partition_chars]
+        row = self._totals[(part, ns)]
         row[0] -= 1
         row[1] -= nbytes(value)
         if row[0] == 0:
-            del self._totals[pk]
+            del self._totals[(part, ns)]
+        if self.partition_chars:
+            self._part_bytes[part] -= nbytes(value)
+            order = self._order[part]
+            del order[key]
+            if not order:
+                del self._order[part], self._part_bytes[part]
+
+    def _quota_victims(self, key: str, size: int) -> list[str] | None:
+        """The pages of `key`'s partition to evict so that a page of `size` bytes stored under
+        `key` keeps the partition within its quota, least recently used first ([] when it
+        fits or has no quota); None when it cannot (the page alone is larger than the quota,
+        or only the partition's pinned or leased pages could make room)."""
+        part = key[:self.partition_chars]
+        quota = self.quotas.get(part, 0) if self.partition_chars else 0
+        if not quota:
+            return []
+        if size > quota:
+            return None
+        order: OrderedDict[str, None] = self._order.get(part, OrderedDict())
+        held = self._part_bytes.get(part, 0)
+        if key in order:
+            old = self._lru.get(key, touch=False)
+            held -= nbytes(old) if old is not None else 0
+        need = held + size - quota
+        victims: list[str] = []
+        for k in order:
+            if need <= 0:
+                break
+            v = self._lru.get(k, touch=False)
+            if k == key or v is None or self._keep(k, v):
+                continue
+            victims.append(k)
+            need -= nbytes(v)
+        return victims if need <= 0 else None
+
+    def partition_bytes(self, partition: str) -> int:
+        """Bytes held in memory by one partition (a tenant's tag)."""
+        with self._lock:
+            return self._part_bytes.get(partition, 0)
 
     def _drop(self, values: Sequence[Value]) -> None:
         for v in values:
@@ -155,6 +207,11 @@ class PageStore:
     def get(self, keys: Sequence[str]) -> list[Value | None]:
         with self._lock:
             out = [self._lru.get(k) for k in keys]
+            if self._order:
+                pc = self.partition_chars
+                for k, v in zip(keys, out):
+                    if v is not None:
+                        self._order[k[:pc]].move_to_end(k)
             hits = sum(v is not None for v in out)
             self.counters.hits += hits
             self.counters.misses += len(out) - hits
@@ -179,6 +236,17 @@ class PageStore:
                 self.counters.rejected += 1
                 self._drop([value])
                 return False, []
+            victims = self._quota_victims(key, size)
+            if victims is None:
+                self.counters.quota_rejected += 1
+                self._drop([value])
+                return False, []
+            quota_dropped = [(k, self._lru.pop(k)) for k in victims]
+            for k, v in quota_dropped:
+                assert v is not None
+                self._count_out(k, v)
+            self._drop([v for _, v in quota_dropped if v is not None])
+            self.counters.quota_evictions += len(quota_dropped)
             old = self._lru.pop(key)
             keep = self._keep if self.pins or self.leases.counters["read_leases"] else None
             dropped = self._lru.make_room(size, keep)
@@ -200,7 +268,7 @@ class PageStore:
             self._lru.put(key, value)
             self._count_in(key, value)
             self.counters.evictions += len(dropped)
-        return True, [k for k, _ in dropped]
+        return True, victims + [k for k, _ in dropped]
 
     def reserve(self, n: int) -> ArenaSlot | None:
         """An arena slot for a record of `n` bytes that a client will write (not in the map
@@ -240,6 +308,8 @@ class PageStore:
             self._lru.clear()
             self._ns_of.clear()
             self._totals.clear()
+            self._part_bytes.clear()
+            self._order.clear()
 
     def clear_namespace(self, namespace: builtins.bytes | None, prefix: str = "") -> int:
         """Drop every record of `namespace` (named in its header; None: any) whose key starts

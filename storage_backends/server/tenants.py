@@ -8,6 +8,7 @@ partition (namespace) its pages live in and its tokens with their rights::
     namespace = "team-a"                  # optional; default: the tenant's name
     rights = ["read", "write", "clear"]   # optional; default: all three
     tokens = ["a-2026-11", "a-2026-12"]   # two during a rotation
+    max_bytes = "8GiB"                    # optional: the partition's share of memory
 
     [tenants.team-a-readers]              # a second tenant on the same partition, read only
     namespace = "team-a"
@@ -20,6 +21,11 @@ Each page key a tenant sends is stored as `Tenant.tag` (16 hex characters) follo
 (hex keys of up to 112 characters) or the SHA-256 hex of the key (any other key), so two
 partitions can never name the same stored page, and the persistence directory's file names (the
 stored keys: ``file`` backend, hex names) say which partition a file belongs to.
+
+`max_bytes` caps the bytes a partition holds in the server's memory tier: a page that would take
+it past that evicts the partition's own least recently used pages first, never another
+partition's (`PageStore`); tenants sharing a partition must not name different caps. Without it
+a partition shares the whole capacity, least recently used first across partitions.
 
 Secrets are never logged: tenants are named by their names, tokens by nothing. The file is
 read again on SIGHUP and by the admin call `reload_tenants` (`Tenants.reload`): a file that
@@ -36,11 +42,13 @@ import re
 import stat
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hicache_client.errors import ConfigError
 from hicache_client.remote.protocol import token_id
+from hicache_client.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class Tenant:
     name: str
     namespace: str
     rights: frozenset[str]
+    max_bytes: int = 0  # the partition's cap in the memory tier (0: none)
 
     @property
     def tag(self) -> str:
@@ -135,20 +144,26 @@ def parse_tenants(data: dict[str, Any], source: str = "tenants file") -> dict[by
         raise TenantsError(f"{source}: no tenants (expected [tenants.<name>] tables)")
     table: dict[bytes, Tenant] = {}
     tags: dict[str, str] = {}
+    caps: dict[str, int] = {}  # partition -> max_bytes
     for name, spec in tenants.items():
         where = f"{source}: tenant {name!r}"
         if not isinstance(spec, dict):
             raise TenantsError(f"{where}: must be a table")
-        extra = sorted(set(spec) - {"namespace", "rights", "tokens"})
+        extra = sorted(set(spec) - {"namespace", "rights", "tokens", "max_bytes"})
         if extra:
             raise TenantsError(f"{where}: unknown key(s) {extra}; known: namespace, rights, "
-                               "tokens")
+                               "tokens, max_bytes")
         namespace = spec.get("namespace", name)
         if not isinstance(namespace, str) or not namespace:
             raise TenantsError(f"{where}: namespace must be a non-empty string")
         tag = partition_tag(namespace)
         if tags.setdefault(tag, namespace) != namespace:  # pragma: no cover - 2^-64
             raise TenantsError(f"{where}: namespace collides with {tags[tag]!r}")
+        max_bytes = _max_bytes(spec.get("max_bytes", 0), where)
+        if max_bytes and caps.setdefault(namespace, max_bytes) != max_bytes:
+            raise TenantsError(f"{where}: max_bytes {max_bytes} differs from the "
+                               f"{caps[namespace]} another tenant of partition {namespace!r} "
+                               "names (one cap per partition)")
         rights = _rights(spec.get("rights", list(RIGHTS)), where)
         tokens = spec.get("tokens")
         if not isinstance(tokens, list) or not tokens:
@@ -170,7 +185,17 @@ def parse_tenants(data: dict[str, Any], source: str = "tenants file") -> dict[by
                 raise TenantsError(f"{where}: token #{i + 1} is also a token of tenant "
                                    f"{table[tid].name!r}")
             table[tid] = Tenant(name=str(name), namespace=namespace, rights=token_rights)
-    return table
+    # A cap named by one tenant of a partition holds for every tenant of it.
+    return {tid: replace(t, max_bytes=caps.get(t.namespace, 0)) for tid, t in table.items()}
+
+
+def _max_bytes(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TenantsError(f"{where}: max_bytes must be a byte count (8589934592, \"8GiB\")")
+    try:
+        return parse_bytes(value, what="max_bytes")
+    except ConfigError as e:
+        raise TenantsError(f"{where}: {e}") from None
 
 
 def _tokens(data: dict[str, Any]) -> list[str]:
@@ -238,6 +263,10 @@ class Tenants:
     def lookup(self, token: str) -> Tenant | None:
         """The tenant of `token`, or None."""
         return self.table.get(_token_id(token)) if token else None
+
+    def partitions(self) -> dict[str, tuple[str, int]]:
+        """Partition tag -> (partition name, max_bytes: 0 for none), of the current table."""
+        return {t.tag: (t.namespace, t.max_bytes) for t in self.table.values()}
 
     def describe(self) -> str:
         """For the start-up log: names and partitions, no tokens."""

@@ -64,6 +64,7 @@ class Tiers:
         limit = int(config.pin_share * min(caps)) if caps else 1 << 62
         self.pins = self.store.pins = Pins(limit, config.persist_dir)
         self.namespaces = NamespaceCounters()
+        self.partitions: dict[str, tuple[str, int]] = {}  # tag -> (name, max_bytes); tenants
         self.hits = self.misses = self.disk_hits = 0  # pages, either tier (`lookup`)
         self._disk_ns: dict[str, str] = {}  # persisted page name -> its namespace (a cache)
         if config.persist_dir:
@@ -346,6 +347,12 @@ class Tiers:
             cache.pop(path, None)
         return out
 
+    def set_partitions(self, partitions: dict[str, tuple[str, int]]) -> None:
+        """The tenants' partitions (tag -> (name, max_bytes)); a cap takes effect from the
+        partition's next write (a lowered one evicts its pages as it writes, not at once)."""
+        self.partitions = dict(partitions)
+        self.store.quotas = {tag: cap for tag, (_, cap) in partitions.items() if cap}
+
     def pinned_keys(self, namespace: str | None = None, prefix: str = "") -> list[str]:
         """The pinned keys starting with `prefix` whose pages are held in memory as records of
         `namespace` (None: any)."""
@@ -395,6 +402,8 @@ class Tiers:
             "disk_hits": self.disk_hits,
             "evictions": c.evictions,
             "rejected": c.rejected,
+            "quota_evictions": c.quota_evictions,
+            "quota_rejected": c.quota_rejected,
             "pinned_pages": len(self.pins),
             "pinned_bytes": self.pinned_bytes(),
             "pin_limit_bytes": self.pins.limit_bytes,

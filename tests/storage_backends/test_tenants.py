@@ -22,7 +22,7 @@ from storage_backends.server.tenants import (
     parse_tenants,
     partition_tag,
 )
-from tests.procs import wait_until
+from tests.procs import free_port, wait_until
 from tests.storage_backends.conftest import NAMESPACE, buffers
 from tests.storage_backends.hicache_server_proc import (
     HiCacheServerProc,
@@ -33,6 +33,7 @@ from tests.storage_backends.hicache_server_proc import (
     page_record,
     pages,
 )
+from tests.storage_backends.test_hicache_admin_operator import scrape
 
 TOK_A = "tenant-a-token-0001"
 TOK_A2 = "tenant-a-token-0002"
@@ -122,7 +123,8 @@ def test_two_tenants_with_the_same_keys_never_see_each_others_pages(
         got = ask(rb, P.GetRequest(keys=keys))
         assert isinstance(got, P.GetReply) and got.lengths == [-1] * N and got.frames == []
         assert ask(rb, P.StatsRequest()) == P.StatsReply(request_id=rb.rid,
-                                                         stats={"pages": 0, "bytes": 0})
+                                                         stats={"pages": 0, "bytes": 0,
+                                                                "max_bytes": 0})
         # B: delete, namespace clear and clear reach nothing of A's.
         assert ask(rb, P.DeleteRequest(keys=keys)) == P.DeleteReply(request_id=rb.rid,
                                                                     deleted=0)
@@ -146,7 +148,7 @@ def test_two_tenants_with_the_same_keys_never_see_each_others_pages(
         assert [bytes(o) for o in out] == [bytes(r) for r in recs_b]
         size = len(recs_b[0])
         assert ask(rb, P.StatsRequest()) == P.StatsReply(
-            request_id=rb.rid, stats={"pages": N, "bytes": N * size})
+            request_id=rb.rid, stats={"pages": N, "bytes": N * size, "max_bytes": 0})
         # B's clear empties B's partition only.
         assert ask(rb, P.ClearNamespaceRequest(namespace=NAMESPACE.hex())) == \
             P.ClearNamespaceReply(request_id=rb.rid, deleted=N)
@@ -362,3 +364,72 @@ def test_admin_lookup_and_pins_by_partition(server: HiCacheServerProc,
     assert lookup() == 0  # keys of no partition
     assert admin_main([*base, "pin", *prompt, "--partition", "team-a"]) == 0
     assert json.loads(capsys.readouterr().out)["pinned"] == 4
+
+
+def test_a_partition_over_its_max_bytes_evicts_its_own_pages_only(tmp_path: Path) -> None:
+    """Team A may hold three pages in memory (`max_bytes`); its flood of eight evicts its own
+    oldest, never team B's, and a page larger than the cap is refused. Stats and metrics say
+    so; a reload that lifts the cap lets A grow again."""
+    keys_a, recs_a = pages("a", 8, 1000)
+    keys_b, recs_b = pages("b", 2, 1000)
+    size = len(recs_a[0])
+    tfile = tmp_path / "tenants.toml"
+    capped = tenants_toml([TOK_A]).replace(
+        "[tenants.team-a]\n", f"[tenants.team-a]\nmax_bytes = {3 * size}\n")
+    tfile.write_text(capped)
+    tfile.chmod(0o600)
+    mport = free_port()
+    with hicache_server(tmp_path, metrics_port=mport,
+                        args=["--tenants-file", str(tfile), "--admin-token", ADMIN]) as srv:
+        a, b = client_of(srv.url, TOK_A), client_of(srv.url, TOK_B)
+        rb = RawClient(srv.url)
+        rb.token = TOK_A  # type: ignore[attr-defined]
+        try:
+            assert b.batch_set(keys_b, [memoryview(r) for r in recs_b]) == [True] * 2
+            for k, r in zip(keys_a, recs_a):  # one at a time: a clear LRU order
+                assert a.batch_set([k], [memoryview(r)]) == [True]
+            out = buffers(8, size)
+            assert a.batch_get(keys_a, out) == [False] * 5 + [True] * 3
+            assert [bytes(o) for o in out[5:]] == [bytes(r) for r in recs_a[5:]]
+            assert b.batch_get(keys_b, out[:2]) == [True] * 2
+            assert ask(rb, P.StatsRequest()) == P.StatsReply(
+                request_id=rb.rid, stats={"pages": 3, "bytes": 3 * size, "max_bytes": 3 * size})
+            # A page larger than the whole cap is refused; A keeps what it had.
+            big = pages("big", 1, 4 * size)
+            assert a.batch_set(big[0], [memoryview(r) for r in big[1]]) == [False]
+            assert a.batch_exists(keys_a[5:]) == 3
+            m = scrape(mport)
+            assert m['hicache_server_partition_bytes{partition="team-a"}'] == 3 * size
+            assert m['hicache_server_partition_max_bytes{partition="team-a"}'] == 3 * size
+            assert m['hicache_server_partition_bytes{partition="team-b"}'] == 2 * size
+            assert m['hicache_server_partition_max_bytes{partition="team-b"}'] == 0
+            assert m["hicache_server_quota_evictions"] == 5
+            assert m["hicache_server_quota_rejected"] == 1
+            # Lift the cap (the admin's reload): A's next writes evict nothing.
+            tfile.write_text(tenants_toml([TOK_A]))
+            rb.token = ADMIN  # type: ignore[attr-defined]
+            assert isinstance(ask(rb, P.ReloadTenantsRequest()), P.ReloadTenantsReply)
+            assert a.batch_set(keys_a[:5], [memoryview(r) for r in recs_a[:5]]) == [True] * 5
+            assert a.batch_exists(keys_a) == 8
+            assert scrape(mport)['hicache_server_partition_max_bytes{partition="team-a"}'] == 0
+        finally:
+            rb.close()
+            a.close()
+            b.close()
+
+
+def test_max_bytes_is_one_cap_per_partition() -> None:
+    base = {"tokens": ["x" * 16]}
+    table = parse_tenants({"tenants": {
+        "w": {**base, "namespace": "p", "max_bytes": "1MiB"},
+        "r": {"tokens": ["y" * 16], "namespace": "p", "rights": ["read"]}}})
+    assert sorted(t.max_bytes for t in table.values()) == [1 << 20, 1 << 20]
+    with pytest.raises(TenantsError, match="differs from the 1048576 another tenant of "
+                                           "partition 'p' names"):
+        parse_tenants({"tenants": {"w": {**base, "namespace": "p", "max_bytes": "1MiB"},
+                                   "r": {"tokens": ["y" * 16], "namespace": "p",
+                                         "max_bytes": 4096}}})
+    for bad, why in ((-4, "negative"), ("-4", "not a size"), ("64p", "in pages"),
+                     (True, "a byte count"), ("lots", "not a size")):
+        with pytest.raises(TenantsError, match=why):
+            parse_tenants({"tenants": {"w": {**base, "max_bytes": bad}}})
