@@ -40,6 +40,7 @@ FLAGS = [
     "--mrc",
     "--mrc-points",
     "--sample",
+    "--sample-check",
     "--target",
     "--no-opt",
     "--warmup",
@@ -50,6 +51,7 @@ FLAGS = [
     "--plot",
     "--no-progress",
     "--replay-mode",
+    "--replay-engine",
     "--verbose",
 ]
 
@@ -329,15 +331,47 @@ def test_lmcache_log_gives_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_sample_prints_the_curve_and_its_error(small: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    doc = run_json(capsys, [str(small), "--block-size", "16", "--mrc", "--sample", "1"])
+    """--sample gives the sampled curve alone (no replay, no exact analyses) with the error
+    measured on the validation slice; at rate 1 it is the exact curve."""
+    exact = run_json(capsys, [str(small), "--block-size", "16", "--mrc"])
+    doc = run_json(capsys, [str(small), "--block-size", "16", "--sample", "1"])
+    for key in ("result", "unbounded", "opt", "savings", "reuse_distance", "sharing"):
+        assert doc[key] is None, key
     sample = doc["mrc"]["sample"]
-    assert sample["rate"] == 1.0 and sample["sampled_page_refs"] == sample["page_refs"]
-    assert sample["max_abs_error"] == pytest.approx(0.0, abs=1e-12)
+    assert sample["rate"] == 1.0 and sample["sampled_page_refs"] == sample["page_refs"] == 13
+    assert sample["streamed"] and sample["check"]["whole_trace"]
+    assert sample["check"]["requests"] == 5 and sample["check"]["max_abs_error"] == 0.0
+    want = {p["capacity_pages"]: p["hit_rate"] for p in exact["mrc"]["points"]}
     for p in doc["mrc"]["points"]:
-        assert p["sampled_hit_rate"] == pytest.approx(p["hit_rate"], abs=1e-12)
-    assert main([str(small), "--block-size", "16", "--mrc", "--sample", "0.5",
+        assert p["hit_rate"] == pytest.approx(want[p["capacity_pages"]], abs=1e-12)
+        assert p["check_exact_hit_rate"] == pytest.approx(p["hit_rate"], abs=1e-12)
+        assert p["request_hit_rate"] is None
+    assert main([str(small), "--block-size", "16", "--sample", "0.5", "--sample-check", "2",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "sampled (0.5)" in out and "error against the exact curve" in out
-    assert main([str(small), "--mrc", "--sample", "0", "--no-progress"]) == 2
+    assert "sampled at 0.5" in out and "error measured on the first 2 of 5 requests" in out
+    doc = run_json(capsys, [str(small), "--block-size", "16", "--sample", "0.5",
+                            "--sample-check", "0"])
+    assert doc["mrc"]["sample"]["check"] is None
+    assert main([str(small), "--sample", "0", "--no-progress"]) == 2
     assert "--sample must be a rate in (0, 1]" in capsys.readouterr().err
+    assert main([str(small), "--sample", "0.5", "--device", "1p,2p", "--no-progress"]) == 2
+    assert "--sample estimates the LRU curve only" in capsys.readouterr().err
+    assert main([str(small), "--sample", "0.5", "--sample-check", "x", "--no-progress"]) == 2
+    assert "--sample-check must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["unbounded", "3p", "40"])
+def test_compiled_replay_engine_equals_hiradix(small: Path, device: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--replay-engine compiled (what 'auto' picks past 1M requests for a device-only LRU)
+    gives the HiRadixCache replay's numbers; a configuration it does not model is refused."""
+    argv = [str(small), "--block-size", "16", "--page-size", "4", "--device", device]
+    real = run_json(capsys, [*argv, "--replay-engine", "hiradix"])["result"]
+    comp = run_json(capsys, [*argv, "--replay-engine", "compiled"])
+    for key in ("requests", "input_tokens", "hit_tokens", "device_hit_tokens", "hit_requests",
+                "capped_tokens"):
+        assert comp["result"][key] == real[key], key
+    assert any("compiled device-only LRU" in n for n in comp["notes"])
+    assert main([*argv, "--host", "8p", "--replay-engine", "compiled", "--no-progress"]) == 2
+    assert "replays a device-only LRU configuration" in capsys.readouterr().err

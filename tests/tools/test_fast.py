@@ -310,3 +310,22 @@ def test_sampled_curve_error_on_the_reference_trace(mooncake_trace: Path) -> Non
     errs = [abs(samp.hit_tokens(c) - exact.hit_tokens(c)) / n_in
             for c in mrc.mrc_points(exact, 15)]
     assert max(errs) < 0.01, errs
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("warmup", [0.0, 0.4])
+def test_device_lru_equals_exact_replay(tmp_path: Path, seed: int, warmup: float) -> None:
+    """`fast_replay.device_lru` (what `--replay-engine compiled` runs) gives the HiRadixCache
+    replay's result, unbounded and bounded: hit tokens, hit requests, capped tokens,
+    evictions, on prefix-chained traces with partial blocks and outputs inserted."""
+    path = chained_trace(tmp_path, 40 + seed, n=200)
+    _, arrs = streamed(path, 4, block_size=BS)
+    biggest = int(np.diff(arrs.offsets).max())
+    for dev in (None, biggest, 3 * biggest, 200):
+        real = replay_arrays(arrs, TierConfig(page_size=4, device_pages=dev), warmup=warmup)
+        got = fast_replay.device_lru(arrs, dev, warmup=warmup)
+        for f in ("requests", "input_tokens", "device_hit_tokens", "hit_requests",
+                  "capped_tokens"):
+            assert getattr(got, f) == getattr(real, f), (dev, f)
+        assert got.cache_stats["evicted_tokens"] == real.cache_stats["evicted_tokens"], dev
+        assert got.capped_tokens > 0  # partial last blocks: hits past the input are cut

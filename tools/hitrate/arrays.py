@@ -25,7 +25,7 @@ from tools.hitrate.traces import Request, Trace
 
 @dataclass
 class PageArrays:
-    pages: np.ndarray  # int64 page ids, every request's path root first, concatenated
+    pages: np.ndarray  # page ids (int64; int32 from a block trace when they fit), root first
     offsets: np.ndarray  # int64, len requests + 1: request i is pages[offsets[i]:offsets[i+1]]
     n_lookup: np.ndarray  # int64, pages of request i its lookup can hit (a prefix of its path)
     input_len: np.ndarray  # int64, prompt tokens of request i (its hit is capped there)

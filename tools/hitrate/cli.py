@@ -19,7 +19,7 @@ from typing import Any
 from hicache_client.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command
-from tools.hitrate.options import build_parser
+from tools.hitrate.options import COMPILED_FROM, build_parser
 from tools.hitrate.sizes import to_pages
 from tools.hitrate.sweep import parse_sizes, run_sweep
 
@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--eviction-policy-config must be a JSON object")
     if args.sample is not None and not 0.0 < args.sample <= 1.0:
         raise ConfigError(f"--sample must be a rate in (0, 1], got {args.sample}")
+    if args.sample_check != "all" and not (args.sample_check.isdigit()):
+        raise ConfigError(f"--sample-check must be a count of requests or 'all', got "
+                          f"{args.sample_check!r}")
     if not 0.0 <= args.warmup < 1.0:
         raise ConfigError(f"--warmup must be a fraction in [0, 1), got {args.warmup}")
     if args.warmup and args.replay_mode == "tokens":
@@ -56,6 +59,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sweeping = len(policies) > 1 or any(len(v) > 1 for v in grid_specs.values())
 
     kvb = kv_bytes_option(args)  # before a long read: a wrong name or path fails at once
+    if args.sample is not None:  # the sampled curve alone (tools/hitrate/sample.py)
+        if sweeping:
+            raise ConfigError("--sample estimates the LRU curve only; a sweep replays every "
+                              "configuration exactly: drop --sample or the lists")
+        if args.plot:
+            raise ConfigError("--plot draws the exact report; with --sample use --json")
+        from tools.hitrate.sample import sampled_report
+
+        return sampled_report(args, kvb)
     trace, arrs, notes, streamed, t_read = read_arrays(args)
     page_size = arrs.page_size
 
@@ -78,7 +90,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
-    if streamed or args.warmup:
+    compiled_fits = (tiers.host_pages == 0 and tiers.storage_pages == 0
+                     and tiers.eviction_policy == "lru" and args.replay_mode == "pages")
+    engine = args.replay_engine
+    if engine == "auto":
+        engine = "compiled" if compiled_fits and arrs.requests >= COMPILED_FROM else "hiradix"
+    if engine == "compiled" and not compiled_fits:
+        raise ConfigError("--replay-engine compiled replays a device-only LRU configuration "
+                          "(no --host, no --storage, --eviction-policy lru, --replay-mode pages)")
+    if engine == "compiled":
+        sim = fast_replay.device_lru(arrs, tiers.device_pages, warmup=args.warmup)
+        notes.append(
+            "the configuration was replayed by the compiled device-only LRU (--replay-engine "
+            "compiled: " + ("the unbounded bound" if tiers.device_pages is None else
+                            "fast_replay.tree_lru") + "), equal to HiRadixCache's replay hit for "
+            "hit (tests/tools/test_fast.py); HiRadixCache's counters (cache_stats) are not "
+            "kept; --replay-engine hiradix replays through HiRadixCache itself")
+    elif streamed or args.warmup:
         sim = replay_arrays(arrs, tiers, progress=progress, warmup=args.warmup)
     else:
         sim = replay(
@@ -88,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_sim = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    share = fast.sharing(arrs)  # first: its per-page counts are freed before the stack's arrays
     stack = fast.stack_distances(arrs, warmup=args.warmup)
     n_req = stack.requests  # measured requests (after the warm-up)
     n_in = stack.input_tokens
@@ -157,24 +186,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "saturation_pages": stack.saturation_pages,
             "sample": None,
         }
-        if args.sample is not None:
-            ts = time.perf_counter()
-            samp = fast.sampled_stack(arrs, args.sample)
-            t_samp = time.perf_counter() - ts
-            errs = []
-            for pt in points:
-                est = _ratio(samp.hit_tokens(pt["capacity_pages"]), n_in)
-                pt["sampled_hit_rate"] = est
-                errs.append(abs(est - pt["hit_rate"]))
-            mrc_doc["sample"] = {
-                "rate": args.sample,
-                "sampled_page_refs": samp.sampled_refs,
-                "page_refs": len(arrs.pages),
-                "seconds": t_samp,
-                "max_abs_error": max(errs, default=0.0),
-                "mean_abs_error": sum(errs) / len(errs) if errs else 0.0,
-            }
-    share = fast.sharing(arrs)
     t_an = time.perf_counter() - t0
 
     prefill_s = transfer_s = ttft = None

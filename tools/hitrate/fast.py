@@ -340,7 +340,7 @@ def stack_distances(
 @njit(cache=True)
 def _sharing(pages, off, n_lookup, input_len, ps, num_pages):  # type: ignore[no-untyped-def]
     n = len(n_lookup)
-    users = np.zeros(num_pages, np.int64)
+    users = np.zeros(num_pages, np.int32)  # requests looking a page up (fewer than 2**31)
     first = np.zeros(num_pages, np.bool_)
     refs = 0
     for r in range(n):

@@ -4,6 +4,7 @@ compiled with numba, one pass per capacity (see `fast.py` for the one-pass analy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -11,6 +12,9 @@ from numba import njit
 from tools.hitrate.arrays import PageArrays
 from tools.hitrate.fast import warmup_start
 from tools.hitrate.mrc import OptResult
+
+if TYPE_CHECKING:
+    from tools.hitrate.simulate import SimResult
 
 
 @njit(cache=True)
@@ -215,6 +219,7 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start, par): 
     hit_tokens = 0
     hit_requests = 0
     evicted = 0
+    capped = 0
     for r in range(n):
         o = off[r]
         L = off[r + 1] - o
@@ -234,6 +239,7 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start, par): 
         if r >= start:
             h = min(ps * k, input_len[r])
             hit_tokens += h
+            capped += ps * k - h
             if h:
                 hit_requests += 1
         # alloc: evict least recently used unlocked leaf nodes, whole, until the pages fit
@@ -305,7 +311,7 @@ def _tree_lru(pages, off, n_lookup, input_len, ps, num_pages, cap, start, par): 
                 hk, hp, hsize, hcap = _lru_room(hk, hp, hsize, hcap, cached, end, nch, last,
                                                 nid, mult)
             hsize = _heap_push(hk, hp, hsize, -(np.int64(last[e]) * mult + nid[e]), e)
-    return hit_tokens, hit_requests, evicted
+    return hit_tokens, hit_requests, evicted, capped
 
 
 @njit(cache=True)
@@ -354,6 +360,7 @@ class LruResult:
     hit_tokens: int  # capped at each request's input length, as the replay counts them
     hit_requests: int
     evicted_pages: int
+    capped_tokens: int = 0  # hits past the input length (partial last blocks), not counted
 
 
 def tree_lru(
@@ -381,10 +388,10 @@ def tree_lru(
     _parents(arrs.pages, arrs.offsets, par)
 
     def one(c: int) -> LruResult:
-        t, r, ev = _tree_lru(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+        t, r, ev, cp = _tree_lru(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
                              np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(c),
                              np.int64(start), par)
-        return LruResult(int(c), int(t), int(r), int(ev))
+        return LruResult(int(c), int(t), int(r), int(ev), int(cp))
 
     todo = sorted(set(int(c) for c in capacities))
     workers = max(1, min(len(todo), threads))
@@ -396,3 +403,50 @@ def tree_lru(
         with ThreadPoolExecutor(workers) as pool:
             done = dict(zip(todo, pool.map(one, todo)))
     return [done[int(c)] for c in capacities]
+
+
+@njit(cache=True)
+def _unbounded(pages, off, n_lookup, input_len, ps, num_pages, start):  # type: ignore[no-untyped-def]
+    """Unbounded device: a request hits its leading lookup pages inserted before (nothing is
+    ever evicted). Returns (hit tokens, hit requests, capped tokens) of the measured requests."""
+    seen = np.zeros(num_pages, np.bool_)
+    hit_tokens = 0
+    hit_requests = 0
+    capped = 0
+    for r in range(len(n_lookup)):
+        o = off[r]
+        if r >= start:
+            k = 0
+            while k < n_lookup[r] and seen[pages[o + k]]:
+                k += 1
+            h = min(ps * k, input_len[r])
+            hit_tokens += h
+            capped += ps * k - h
+            if h:
+                hit_requests += 1
+        for idx in range(o, off[r + 1]):
+            seen[pages[idx]] = True
+    return hit_tokens, hit_requests, capped
+
+
+def device_lru(arrs: PageArrays, device_pages: int | None, *, warmup: float = 0.0) -> SimResult:
+    """`simulate.replay_arrays` of a device-only LRU configuration (no host, no storage tier),
+    compiled: `tree_lru` at `device_pages`, or with an unbounded device (None) the pages seen
+    before. The same hit tokens, hit requests and capped tokens as the replay (tests); no
+    per-request hits and none of HiRadixCache's counters (`cache_stats` holds the evictions)."""
+    from tools.hitrate.simulate import SimResult
+
+    start = warmup_start(arrs, warmup)
+    if device_pages is None:
+        t, r, cp = _unbounded(arrs.pages, arrs.offsets, arrs.n_lookup, arrs.input_len,
+                              np.int64(arrs.page_size), np.int64(arrs.num_pages), np.int64(start))
+        ev, pages = 0, arrs.num_pages
+    else:
+        x = tree_lru(arrs, [device_pages], warmup=warmup)[0]
+        t, r, cp, ev, pages = x.hit_tokens, x.hit_requests, x.capped_tokens, x.evicted_pages, \
+            device_pages
+    return SimResult(requests=arrs.requests - start,
+                     input_tokens=int(arrs.input_len[start:].sum()), device_hit_tokens=int(t),
+                     hit_requests=int(r), capped_tokens=int(cp),
+                     cache_stats={"evicted_tokens": int(ev) * arrs.page_size},
+                     device_pages=int(pages))

@@ -8,12 +8,11 @@ from numba import njit
 
 
 @njit(cache=True)
-def _block_paths(blocks, boff, m, n_extra, base):  # type: ignore[no-untyped-def]
+def _block_paths(blocks, boff, m, n_extra, base, pages):  # type: ignore[no-untyped-def]
     n = len(n_extra)
     off = np.zeros(n + 1, np.int64)
     for i in range(n):
         off[i + 1] = off[i] + (boff[i + 1] - boff[i]) * m + n_extra[i]
-    pages = np.empty(off[n], np.int64)
     nxt = base
     k = 0
     for i in range(n):
@@ -33,8 +32,14 @@ def block_paths(
     blocks: np.ndarray, boff: np.ndarray, m: int, n_extra: np.ndarray, base: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(pages, offsets, num_pages) of block paths: block b -> pages b*m .. b*m+m-1, then the
-    request's `n_extra` unique pages, numbered from `base` in request order."""
-    pages, off, nxt = _block_paths(blocks, boff, np.int64(m), n_extra, np.int64(base))
+    request's `n_extra` unique pages, numbered from `base` in request order. Page ids are int32
+    when they all fit (half the memory of the largest array: 1 GB at 240M references), else
+    int64; the kernels take either."""
+    refs = int((np.diff(boff) * m).sum() + n_extra.sum())
+    top = int(blocks.max()) * m + m if len(blocks) else 0  # the block pages stay below this
+    small = max(top, base + int(n_extra.sum())) < 2**31 - 1
+    pages = np.empty(refs, np.int32 if small else np.int64)
+    pages, off, nxt = _block_paths(blocks, boff, np.int64(m), n_extra, np.int64(base), pages)
     num = int(nxt) if len(pages) == 0 else max(int(nxt), int(pages.max()) + 1)
     return pages, off, num
 

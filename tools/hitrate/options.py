@@ -8,6 +8,9 @@ from typing import Any
 
 from tools.hitrate.traces import MAX_LINE_BYTES, MAX_REQUEST_TOKENS
 
+# --replay-engine auto: the compiled replay from this many requests (a device-only LRU config)
+COMPILED_FROM = 1_000_000
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -104,9 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample",
         type=float,
         metavar="RATE",
-        help="with --mrc: also estimate the curve from a spatial sample of pages (SHARDS: "
-        "pages whose id hash falls in RATE of the hash space, e.g. 0.01, plus every page looked "
-        "up at least 1/RATE times), printed beside the exact curve with its error",
+        help="the LRU miss-ratio curve alone, from a spatial sample of pages taken while the "
+        "trace is read (SHARDS: pages whose hash falls in RATE of the hash space, e.g. 0.01, each "
+        "standing for 1/RATE pages; blocks looked up >= 1/RATE times in the validation slice "
+        "kept whole): memory and time of the curve drop about 1/RATE; no replay, Belady, "
+        "unbounded bound, request hit rates, reuse distances or sharing (they need every page). "
+        "Printed with the error measured on the validation slice (--sample-check)",
+    )
+    g.add_argument(
+        "--sample-check",
+        default="1000000",
+        metavar="REQUESTS",
+        help="with --sample: the validation slice, the first REQUESTS requests, kept whole: its "
+        "exact curve against its sampled curve gives the printed error (max and mean absolute "
+        "hit rate at the printed capacities); 'all' keeps the whole trace (an exact pass too); "
+        "0 none (default 1000000)",
     )
     g.add_argument(
         "--target",
@@ -153,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="pages",
         help="how requests reach HiRadixCache: 'pages' (page ids at page size 1, fast) or "
         "'tokens' (token lists at --page-size); both give identical results",
+    )
+    g.add_argument(
+        "--replay-engine",
+        choices=("auto", "hiradix", "compiled"),
+        default="auto",
+        help="what replays the configuration: 'hiradix' the real HiRadixCache (simulated), "
+        "'compiled' the compiled device-only LRU (tools/hitrate/fast_replay.py; the unbounded "
+        "bound when --device is unbounded), equal to HiRadixCache's replay hit for hit (tested) "
+        "but only for a device-only LRU configuration and without HiRadixCache's counters; "
+        f"'auto' (default) compiled for such a configuration of at least {COMPILED_FROM:,} "
+        "requests, else hiradix",
     )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p

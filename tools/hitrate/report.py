@@ -42,6 +42,9 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
     from rich.table import Table
 
     con = console or Console()
+    if doc["result"] is None:  # --sample: the sampled curve alone
+        _print_sampled(doc, con)
+        return
     tr, cfg, res = doc["trace"], doc["config"], doc["result"]
     title = (
         f"{tr['path']}  ({tr['format']}, {tr['requests']:,} requests, "
@@ -210,6 +213,58 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
         f"[dim]read {tm['read_s']:.2f} s, replay {tm['simulate_s']:.2f} s "
         f"({tm['requests_per_s']:,.0f} requests/s), analyses {tm['analysis_s']:.2f} s[/]"
     )
+
+
+def _print_sampled(doc: dict[str, Any], con: Any) -> None:
+    from rich.table import Table
+
+    tr, cfg, mrc = doc["trace"], doc["config"], doc["mrc"]
+    smp = mrc["sample"]
+    chk = smp["check"]
+    m = Table(title=f"{tr['path']}  ({tr['format']}, {tr['requests']:,} requests, page "
+              f"{cfg['page_size']} tokens): LRU miss-ratio curve sampled at {smp['rate']:g}",
+              header_style="bold")
+    for col in ("capacity (pages)", "tokens", "bytes", "hit rate (sampled)", "miss ratio"):
+        m.add_column(col, justify="right")
+    if chk:
+        m.add_column("slice: exact", justify="right")
+        m.add_column("slice: sampled", justify="right")
+    for p in mrc["points"]:
+        cells = [f"{p['capacity_pages']:,}", f"{p['capacity_tokens']:,}",
+                 _fmt_bytes(p["capacity_bytes"]), _pct(p["hit_rate"]), _pct(p["miss_ratio"])]
+        if chk:
+            cells += [_pct(p["check_exact_hit_rate"]), _pct(p["check_sampled_hit_rate"])]
+        m.add_row(*cells)
+    con.print(m)
+    hot = "" if smp["hot_blocks"] is None else f", {smp['hot_blocks']:,} hot blocks kept whole"
+    con.print(f"sampled {smp['sampled_page_refs']:,} of {smp['page_refs']:,} page references"
+              f"{hot}")
+    if chk:
+        where = ("the whole trace" if chk["whole_trace"] else
+                 f"the first {chk['requests']:,} of {chk['of_requests']:,} requests")
+        con.print(
+            f"error measured on {where} (exact curve against the sampled one, same capacities): "
+            f"max [bold]{chk['max_abs_error']:.4f}[/], mean {chk['mean_abs_error']:.4f} "
+            "(absolute hit rate)"
+        )
+    else:
+        con.print("[yellow]no validation slice (--sample-check 0): the error is not measured[/]")
+    tg = mrc.get("target")
+    if tg:
+        if tg["capacity_pages"] is None:
+            con.print(f"target hit rate {_pct(tg['hit_rate'])}: [red]unreachable[/]")
+        else:
+            con.print(f"target hit rate {_pct(tg['hit_rate'])} needs about "
+                      f"[bold]{tg['capacity_pages']:,} pages[/] = "
+                      f"{_fmt_bytes(tg['capacity_bytes'])} of LRU cache (sampled)")
+    con.print("[dim]not computed with --sample: the replay of a configuration, request hit "
+              "rates, the unbounded bound, Belady's optimum, reuse distances and sharing[/]")
+    if tr["bad_lines"]:
+        con.print(f"[yellow]skipped {tr['bad_lines']:,} bad lines[/]")
+    for note in doc.get("notes", []):
+        con.print(f"[dim]note: {note}[/]")
+    tm = doc["timing"]
+    con.print(f"[dim]read and sample {tm['read_s']:.2f} s, curves {tm['analysis_s']:.2f} s[/]")
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
