@@ -486,18 +486,19 @@ class HiCacheServerBackend(StorageBackend):
         sealer = self._sealer
         sizes = [sum(len(p) for p in ps) for ps in parts]
         plain: list[memoryview] | None = None
-        pieces: list[tuple[memoryview, memoryview]] = []  # each record's header and payload
+        # Each record's header and payload parts: sealed where they lie (a page's regions in a
+        # host pool, e.g. SGLang's [header, K, V]), with no staging copy.
+        pieces: list[tuple[memoryview, Sequence[memoryview]]] = []
         idx: list[int] = []  # the records that are page records (the rest are not stored)
         for i, (key, ps) in enumerate(zip(keys, parts)):
-            if len(ps) == 1 and len(ps[0]) >= HEADER_BYTES:
-                head, payload = ps[0][:HEADER_BYTES], ps[0][HEADER_BYTES:]
-            elif len(ps) == 2 and len(ps[0]) == HEADER_BYTES:
-                head, payload = ps[0], ps[1]
-            else:  # scattered otherwise: gathered first
+            if ps and len(ps[0]) >= HEADER_BYTES:
+                head = ps[0][:HEADER_BYTES]
+                payload = [p for p in (ps[0][HEADER_BYTES:], *ps[1:]) if len(p)]
+            else:  # the header itself in parts: the record is gathered first
                 if plain is None:
                     plain = self._scratch(sizes)
                 gather(ps, plain[i])
-                head, payload = plain[i][:HEADER_BYTES], plain[i][HEADER_BYTES:]
+                head, payload = plain[i][:HEADER_BYTES], [plain[i][HEADER_BYTES:]]
             problem = sealer.refuses(head)
             if problem is not None:
                 logger.debug("hicache backend: not sealing %s: %s", key[:16], problem)

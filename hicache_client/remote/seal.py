@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -57,7 +58,8 @@ class Sealer:
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
-        self._block = Cipher(algorithms.AES(key), modes.ECB())
+        self._aes = algorithms.AES(key)
+        self._block = Cipher(self._aes, modes.ECB())
         self._local = threading.local()  # per thread: an ECB encryptor (not thread-safe)
 
     def _pad(self, nonce: bytes | memoryview) -> bytes:
@@ -75,13 +77,22 @@ class Sealer:
             return "only version-2 page records are sealed"
         return None
 
-    def seal_into(self, key: str, header: memoryview, payload: memoryview,
+    def seal_into(self, key: str, header: memoryview, payload: memoryview | Sequence[memoryview],
                   out: memoryview) -> None:
         """Write the sealed record of (`header`, `payload`) into `out` (its length is
-        `HEADER_BYTES + len(payload) + OVERHEAD`)."""
+        `HEADER_BYTES + len(payload) + OVERHEAD`). `payload` may be several flat byte views
+        one after the other (a page's regions in a host pool): they are sealed where they lie,
+        in one pass, with no staging copy (GCM fed part by part: the same bytes as sealing
+        them joined)."""
         problem = self.refuses(header)
         if problem is not None:
             raise ValueError(problem)
+        parts = (payload,) if isinstance(payload, memoryview) else payload
+        body = out[HEADER_BYTES + NONCE_BYTES:]
+        if sum(len(p) for p in parts) + TAG_BYTES != len(body):
+            raise ValueError(f"a sealed record of {sum(len(p) for p in parts)} payload bytes "
+                             f"takes {HEADER_BYTES + OVERHEAD} bytes more, not "
+                             f"{len(out) - sum(len(p) for p in parts)}")
         out[:HEADER_BYTES] = header
         out[:4] = SEALED_MAGIC
         nonce = os.urandom(NONCE_BYTES)
@@ -91,7 +102,16 @@ class Sealer:
         out[_SUM_AT:HEADER_BYTES] = enc_sum.to_bytes(8, "little")
         out[HEADER_BYTES:HEADER_BYTES + NONCE_BYTES] = nonce
         aad = bytes(out[:HEADER_BYTES]) + key.encode()
-        self._aead.encrypt_into(nonce, payload, aad, out[HEADER_BYTES + NONCE_BYTES:])
+        if len(parts) == 1:
+            self._aead.encrypt_into(nonce, parts[0], aad, body)
+            return
+        enc = Cipher(self._aes, modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(aad)
+        at = 0
+        for part in parts:  # body[at:] has room for the part and the tag (update_into's slack)
+            at += enc.update_into(part, body[at:])
+        enc.finalize()
+        body[at:] = enc.tag
 
     def open_into(self, key: str, sealed: memoryview, out: memoryview) -> str | None:
         """Write the plain record of `sealed` into `out` (`OVERHEAD` bytes shorter); why it

@@ -162,6 +162,51 @@ def test_seal_and_open_in_memory() -> None:
                     memoryview(sealed))
 
 
+def test_a_record_in_parts_is_sealed_where_it_lies_as_standard_gcm() -> None:
+    """A payload in several parts (odd lengths) is sealed part by part into the same bytes
+    GCM makes of it joined: the one-shot AEAD opens it, and so does `open_into`."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    keys, recs = pages("parts", 1, 5000)
+    rec = memoryview(recs[0])
+    cuts = [HEADER_BYTES, HEADER_BYTES + 1, HEADER_BYTES + 1777, HEADER_BYTES + 1793, len(rec)]
+    parts = [rec[a:b] for a, b in zip(cuts, cuts[1:])]
+    s = Sealer(bytes.fromhex(KEY))
+    sealed = memoryview(bytearray(len(rec) + OVERHEAD))
+    s.seal_into(keys[0], rec[:HEADER_BYTES], parts, sealed)
+    nonce = bytes(sealed[HEADER_BYTES:HEADER_BYTES + 12])
+    aad = bytes(sealed[:HEADER_BYTES]) + keys[0].encode()
+    plain = AESGCM(bytes.fromhex(KEY)).decrypt(nonce, bytes(sealed[HEADER_BYTES + 12:]), aad)
+    assert plain == bytes(rec[HEADER_BYTES:])
+    out = bytearray(len(rec))
+    assert s.open_into(keys[0], sealed, memoryview(out)) is None
+    assert out == recs[0]
+    with pytest.raises(ValueError, match="takes 156 bytes more"):
+        s.seal_into(keys[0], rec[:HEADER_BYTES], parts[1:], sealed)
+
+
+@pytest.mark.parametrize("path", [{"shm": False}, {"shm": True}], ids=["tcp", "shm"])
+def test_a_sealed_set_of_records_in_parts_makes_no_staging_copy(
+        server: HiCacheServerProc, path: dict[str, bool]) -> None:
+    """[header, K, V] (an SGLang page_first page) is sealed from its parts: nothing is
+    gathered into a temporary first, and the pages read back."""
+    keys, recs = pages("kv", N, PAYLOAD)
+    half = HEADER_BYTES + PAYLOAD // 2
+    parts = [(memoryview(r)[:HEADER_BYTES], memoryview(r)[HEADER_BYTES:half],
+              memoryview(r)[half:]) for r in recs]
+    b = sealed_client(server, **path)
+    try:
+        assert b.batch_set_parts(keys, parts) == [True] * N
+        assert b._scratch_buffers.held() == 0
+        out = buffers(N, len(recs[0]))
+        assert b.batch_get(keys, out) == [True] * N
+        assert [bytes(o) for o in out] == [bytes(r) for r in recs]
+        if path["shm"]:
+            assert b.arena.writes == N
+    finally:
+        b.close()
+
+
 def test_the_checksum_travels_encrypted_and_older_records_still_open() -> None:
     """The sealed header holds the checksum XORed with a pad only the key makes (neither the
     plaintext checksum nor zero); changing it makes the record not open; a record sealed
