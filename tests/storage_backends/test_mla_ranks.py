@@ -1,7 +1,7 @@
 """MLA at TP >= 2 on every backend: rank 1 reads what rank 0 wrote.
 
 An MLA model's ranks hold the same latent KV, so the engine gives them one namespace (the seed
-is derived with rank 0, `engine_base`) and only rank 0 writes; every rank's backend still gets
+is derived with rank 0, `engine.engine`) and only rank 0 writes; every rank's backend still gets
 its real `tp_rank` / `tp_size` in `StorageConfig`. A backend that put that rank into its keys
 (as `lmcache` once did) would make every MLA read on rank >= 1 a miss. Runs against every
 harness of the contract suite (`harness_<name>.py`), each a real component.
