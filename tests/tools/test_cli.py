@@ -361,6 +361,35 @@ def test_sample_prints_the_curve_and_its_error(small: Path,
     assert "--sample-check must be" in capsys.readouterr().err
 
 
+def test_sample_stops_at_the_first_bad_line(small: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The sampled read is the same stream: a bad line stops it with its number."""
+    rows = small.read_text().splitlines()
+    bad = small.with_name("bad.jsonl")
+    bad.write_text("\n".join([*rows[:3], '{"timestamp": 9, "input_length": 16, '
+                              '"output_length": 1, "hash_ids": [1, -2]}', *rows[3:]]) + "\n")
+    assert main([str(bad), "--block-size", "16", "--sample", "0.5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:4:" in err and "non-negative integers" in err
+    doc = run_json(capsys, [str(bad), "--block-size", "16", "--sample", "1",
+                            "--skip-bad-lines"])
+    assert doc["trace"]["bad_lines"] == 1 and doc["trace"]["bad_line_numbers"] == [4]
+
+
+def test_sample_of_an_lmcache_log_reads_it_whole(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An LMCache log (replayed in timestamp order) is read into arrays and sampled from them;
+    its error is measured against the exact curve of the whole trace."""
+    rows = [{"timestamp": float(5 - i), "chunk_size": 16, "seq_len": 48,
+             "chunk_hashes": ["0xa", f"0x{i % 2}", "0xc"]} for i in range(6)]
+    p = write_jsonl(tmp_path / "lookup_hashes_0.jsonl", rows)
+    doc = run_json(capsys, [str(p), "--sample", "1"])
+    smp = doc["mrc"]["sample"]
+    assert not smp["streamed"] and smp["check"]["whole_trace"]
+    assert smp["check"]["max_abs_error"] == 0.0 and smp["sampled_page_refs"] == 18
+    assert any("read whole" in n for n in doc["notes"])
+
+
 @pytest.mark.parametrize("device", ["unbounded", "3p", "40"])
 def test_compiled_replay_engine_equals_hiradix(small: Path, device: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -454,15 +454,18 @@ def sampled_report(args: argparse.Namespace, kvb: float | None) -> dict[str, Any
     from tools.hitrate.traces import Limits
 
     t0 = time.perf_counter()
-    first, _ = read_path(args.trace, args.format, block_size=args.block_size, limit=1,
-                         skip_bad_lines=args.skip_bad_lines,
-                         limits=Limits(args.max_request_tokens, args.max_line_bytes),
-                         sink=lambda r: None, progress=False)
+    streamed = False
+    fmt = args.format
+    if not args.tokenizer and args.replay_mode == "pages":  # a token trace needs no peek
+        fmt = read_path(args.trace, args.format, block_size=args.block_size, limit=1,
+                        skip_bad_lines=args.skip_bad_lines,
+                        limits=Limits(args.max_request_tokens, args.max_line_bytes),
+                        sink=lambda r: None, progress=False)[0].format
+        streamed = fmt == "mooncake"
     notes: list[str] = []
-    streamed = first.format == "mooncake" and args.replay_mode == "pages"
     exact: Any = None
     if streamed:
-        trace, sink, notes = read_sampled(args, first.format)
+        trace, sink, notes = read_sampled(args, fmt)
         t_read = time.perf_counter() - t0
         t0 = time.perf_counter()
         smp = sink.finish()
