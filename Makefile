@@ -94,7 +94,7 @@ lint: setup
 
 # Benchmarks run in the loopback-only namespace too (Mooncake binds every interface).
 bench: setup sysdeps
-	$(BIN)/python -m pip install -q --no-deps "kvcache-simulator==0.1.3"  # the [bench] extra: the hit-rate peer
+	$(BIN)/python -m pip install -q --no-deps "kvcache-simulator==0.1.3" "libcachesim==0.3.5"  # the [bench] extra: the hit-rate peers (libcachesim imports without its boto3)
 	LMCACHE_TRACK_USAGE=false scripts/in_netns.sh $(BIN)/python benchmarks/run_all.py
 
 clean:

@@ -11,6 +11,15 @@ budget each (on threads), and the one-pass LRU curve beside them. `--before` als
 (`git archive <rev> tools`). `--verify N` replays N budgets of the x1 trace exactly through
 `HiRadixCache` and compares them with the compiled LRU.
 
+`libcachesim` (PyPI 0.3.5, libCacheSim's C core; the `bench` extra) answers only where it
+applies: a plain LRU of pages, each page reference of the trace in order (every request's path,
+root first, lookup and inserted pages) a get of one object of size 1, at the same budgets in
+pages, one simulation per budget. It has no prefix semantics (a page hit after a miss counts;
+a token hit rate needs the leading run), no output insertion order of a tree, no warm-up, so it
+is compared with ours on that question: our page-level LRU from one stack pass over the same
+sequence (`page_lru`), hit for hit. Its trace is written as an oracleGeneral binary file by a
+child that is not timed.
+
     python benchmarks/bench_hitrate_peers.py [--scales 10,30] [--before 5e30887] [--verify 2]
 """
 
@@ -51,7 +60,8 @@ def build_trace(src: Path, scale: int, out: Path) -> int:
 
 
 def run_child(cmd: list[str], stdout: Path | None = None, cwd: Path = REPO) -> dict[str, Any]:
-    """Runs `cmd` in `cwd`; its wall time and peak RSS (bytes)."""
+    """Runs `cmd` in `cwd`; its wall time, CPU time (user + system: on a shared machine the
+    wall time includes waiting for a core) and peak RSS (bytes)."""
     t0 = time.perf_counter()
     with open(stdout or os.devnull, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, cwd=cwd)
@@ -60,7 +70,8 @@ def run_child(cmd: list[str], stdout: Path | None = None, cwd: Path = REPO) -> d
     err = proc.stderr.read().decode() if proc.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {err[-2000:]}")
-    return {"seconds": wall, "peak_rss_bytes": ru.ru_maxrss * 1024}
+    return {"seconds": wall, "cpu_seconds": ru.ru_utime + ru.ru_stime,
+            "peak_rss_bytes": ru.ru_maxrss * 1024}
 
 
 def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, Any]:
@@ -86,8 +97,12 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     opts = fast_replay.belady(arrs, caps, warmup=warmup)
     t_opt = time.perf_counter() - t1
     n_in = stack.input_tokens
+    t1 = time.perf_counter()
+    page_hits = page_lru(arrs, caps)  # libcachesim's question: LRU over the page sequence
+    t_page = time.perf_counter() - t1
     doc: dict[str, Any] = {
-        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt, "mrc_s": t_mrc,
+        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt, "mrc_s": t_mrc, "page_lru_s": t_page,
+        "page_lru_hits": page_hits,
         "requests": arrs.requests, "page_refs": len(arrs.pages), "array_bytes": arrs.nbytes(),
         "points": [{"cacheBlocks": c, "lru": x.hit_tokens / n_in, "optimal": o.hit_tokens / n_in,
                     "lru_one_pass_curve": stack.hit_tokens(c) / n_in}
@@ -108,6 +123,58 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
                            "replay_s": time.perf_counter() - t1})
         doc["exact_replay"] = checks
     return doc
+
+
+def page_lru(arrs: Any, caps: list[int]) -> list[int]:
+    """Hits of a plain LRU of `cap` pages over the trace's page references in order (each
+    request's path, lookup and inserted pages, root first), one stack pass for every budget:
+    the arrays cut to one page per request, so the tree's batching does not apply."""
+    import numpy as np
+
+    from tools.hitrate import fast
+    from tools.hitrate.arrays import PageArrays
+
+    n = len(arrs.pages)
+    one = PageArrays(arrs.pages, np.arange(n + 1, dtype=np.int64), np.ones(n, np.int64),
+                     np.full(n, arrs.page_size, np.int64), np.zeros(n, np.int64),
+                     arrs.page_size, arrs.num_pages)
+    cum = np.cumsum(fast.stack_distances(one).reuse_at)
+    return [int(cum[min(c, len(cum) - 1)]) for c in caps]
+
+
+def write_oracle(trace: str, out: str) -> int:
+    """The trace's page references (as `page_lru` takes them) as a libCacheSim oracleGeneral
+    binary trace (uint32 time, uint64 id, uint32 size, int64 next access: -1), size 1 each."""
+    import numpy as np
+
+    from tools.hitrate.arrays import BlockSink
+    from tools.hitrate.traces import read_trace
+
+    sink = BlockSink()
+    arrs = sink.arrays(read_trace(trace, block_size=BLOCK, sink=sink), BLOCK)
+    n = len(arrs.pages)
+    rec = np.zeros(n, dtype=[("t", "<u4"), ("id", "<u8"), ("sz", "<u4"), ("nxt", "<i8")])
+    rec["t"] = np.arange(n)
+    rec["id"] = arrs.pages.astype(np.uint64) + 1
+    rec["sz"] = 1
+    rec["nxt"] = -1
+    rec.tofile(out)
+    return n
+
+
+def libcachesim_lru(path: str, caps: list[int]) -> dict[str, Any]:
+    """Child: libCacheSim's LRU (its C core) at each budget in pages over an oracleGeneral
+    trace, one simulation per budget; hits and seconds."""
+    import libcachesim as lcs
+
+    out = []
+    t0 = time.perf_counter()
+    for c in caps:
+        reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
+        t1 = time.perf_counter()
+        miss, _ = lcs.LRU(c).process_trace(reader)
+        out.append({"cacheBlocks": c, "miss_ratio": miss, "seconds": time.perf_counter() - t1})
+    return {"points": out, "seconds": time.perf_counter() - t0}
 
 
 def sample_errors(trace: str) -> list[dict[str, Any]]:
@@ -145,7 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", nargs=4, metavar=("TRACE", "CAPS", "WARMUP", "VERIFY"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--child-sample", metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--child-oracle", nargs=2, metavar=("TRACE", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-lcs", nargs=2, metavar=("ORACLE", "CAPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child_oracle:
+        print(json.dumps({"page_refs": write_oracle(*args.child_oracle)}))
+        return 0
+    if args.child_lcs:
+        path, caps = args.child_lcs
+        print(json.dumps(libcachesim_lru(path, [int(c) for c in caps.split(",")])))
+        return 0
     if args.child_sample:
         print(json.dumps(sample_errors(args.child_sample)))
         return 0
@@ -185,6 +261,24 @@ def main(argv: list[str] | None = None) -> int:
             odoc = json.loads(our_out.read_text())
             run_child([sys.executable, __file__, "--child-sample", str(trace)], our_out)
             sample = json.loads(our_out.read_text())
+            lcs_doc: dict[str, Any] | None = None
+            try:
+                import libcachesim  # noqa: F401
+            except ImportError:
+                lcs_doc = {"skipped": "libcachesim is not installed (pip install -e '.[bench]')"}
+            if lcs_doc is None:
+                oracle = d / "pages.oracleGeneral"
+                run_child([sys.executable, __file__, "--child-oracle", str(trace), str(oracle)],
+                          our_out)
+                l_run = run_child([sys.executable, __file__, "--child-lcs", str(oracle),
+                                   ",".join(map(str, caps))], our_out)
+                oracle.unlink()
+                ldoc = json.loads(our_out.read_text())
+                refs = odoc["page_refs"]
+                lcs_doc = {**l_run, "page_refs": refs, "points": [
+                    {**pt, "hits": round((1 - pt["miss_ratio"]) * refs), "ours_hits": h,
+                     "equal": round((1 - pt["miss_ratio"]) * refs) == h}
+                    for pt, h in zip(ldoc["points"], odoc["page_lru_hits"])]}
             run: dict[str, Any] = {
                 "scale": scale, "requests": n or odoc["requests"],
                 "page_refs": odoc["page_refs"],
@@ -195,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                                     for pt in pdoc["points"]]},
                 "ours": {**o_run, **odoc},
                 "sample": sample,
+                "libcachesim_lru": lcs_doc,
                 "speedup": p_run["seconds"] / o_run["seconds"],
                 "rss_ratio": o_run["peak_rss_bytes"] / p_run["peak_rss_bytes"],
             }
