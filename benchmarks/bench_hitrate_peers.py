@@ -78,7 +78,6 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     """The child process of our side: prints its answer as JSON."""
     from tools.hitrate import fast, fast_replay
     from tools.hitrate.arrays import BlockSink
-    from tools.hitrate.simulate import TierConfig, replay_arrays
     from tools.hitrate.traces import read_trace
 
     t0 = time.perf_counter()
@@ -97,12 +96,8 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
     opts = fast_replay.belady(arrs, caps, warmup=warmup)
     t_opt = time.perf_counter() - t1
     n_in = stack.input_tokens
-    t1 = time.perf_counter()
-    page_hits = page_lru(arrs, caps)  # libcachesim's question: LRU over the page sequence
-    t_page = time.perf_counter() - t1
     doc: dict[str, Any] = {
-        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt, "mrc_s": t_mrc, "page_lru_s": t_page,
-        "page_lru_hits": page_hits,
+        "read_s": t_read, "lru_s": t_lru, "opt_s": t_opt, "mrc_s": t_mrc,
         "requests": arrs.requests, "page_refs": len(arrs.pages), "array_bytes": arrs.nbytes(),
         "points": [{"cacheBlocks": c, "lru": x.hit_tokens / n_in, "optimal": o.hit_tokens / n_in,
                     "lru_one_pass_curve": stack.hit_tokens(c) / n_in}
@@ -110,6 +105,8 @@ def ours(trace: str, caps: list[int], warmup: float, verify: int) -> dict[str, A
         "ceiling": stack.unbounded_hit_tokens / n_in,
     }
     if verify:
+        from tools.hitrate.simulate import TierConfig, replay_arrays  # imports torch: 200 MB
+
         # Exact replays (device-only LRU through HiRadixCache) at `verify` budgets spread over
         # the list, counted over the whole trace, next to the compiled LRU's number.
         picks = caps[:: max(1, len(caps) // verify)][:verify]
@@ -140,6 +137,21 @@ def page_lru(arrs: Any, caps: list[int]) -> list[int]:
                      arrs.page_size, arrs.num_pages)
     cum = np.cumsum(fast.stack_distances(one).reuse_at)
     return [int(cum[min(c, len(cum) - 1)]) for c in caps]
+
+
+def page_lru_child(trace: str, caps: list[int]) -> dict[str, Any]:
+    """Child: our side of libcachesim's question (`page_lru`), read included."""
+    from tools.hitrate.arrays import BlockSink
+    from tools.hitrate.traces import read_trace
+
+    t0 = time.perf_counter()
+    sink = BlockSink()
+    arrs = sink.arrays(read_trace(trace, block_size=BLOCK, sink=sink), BLOCK)
+    del sink
+    t1 = time.perf_counter()
+    hits = page_lru(arrs, caps)
+    return {"read_s": t1 - t0, "lru_s": time.perf_counter() - t1, "hits": hits,
+            "page_refs": len(arrs.pages)}
 
 
 def write_oracle(trace: str, out: str) -> int:
@@ -214,7 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-sample", metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--child-oracle", nargs=2, metavar=("TRACE", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--child-lcs", nargs=2, metavar=("ORACLE", "CAPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-page-lru", nargs=2, metavar=("TRACE", "CAPS"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child_page_lru:
+        t, caps = args.child_page_lru
+        print(json.dumps(page_lru_child(t, [int(c) for c in caps.split(",")])))
+        return 0
     if args.child_oracle:
         print(json.dumps({"page_refs": write_oracle(*args.child_oracle)}))
         return 0
@@ -274,11 +292,17 @@ def main(argv: list[str] | None = None) -> int:
                                    ",".join(map(str, caps))], our_out)
                 oracle.unlink()
                 ldoc = json.loads(our_out.read_text())
-                refs = odoc["page_refs"]
-                lcs_doc = {**l_run, "page_refs": refs, "points": [
+                pl_run = run_child([sys.executable, __file__, "--child-page-lru", str(trace),
+                                   ",".join(map(str, caps))], our_out)
+                pdoc_ours = json.loads(our_out.read_text())
+                refs = pdoc_ours["page_refs"]
+                lcs_doc = {**l_run, "page_refs": refs,
+                           "ours": {**pl_run, **{k: v for k, v in pdoc_ours.items()
+                                                if k != "hits"}},
+                           "points": [
                     {**pt, "hits": round((1 - pt["miss_ratio"]) * refs), "ours_hits": h,
                      "equal": round((1 - pt["miss_ratio"]) * refs) == h}
-                    for pt, h in zip(ldoc["points"], odoc["page_lru_hits"])]}
+                    for pt, h in zip(ldoc["points"], pdoc_ours["hits"])]}
             run: dict[str, Any] = {
                 "scale": scale, "requests": n or odoc["requests"],
                 "page_refs": odoc["page_refs"],
