@@ -113,3 +113,22 @@ def test_chunked_sampling_equals_one_pass(tmp_path: Path, monkeypatch: pytest.Mo
     assert np.array_equal(whole.curve.dist, small.curve.dist)
     assert np.array_equal(whole.curve.cum, small.curve.cum)
     assert whole.sampled_refs == small.sampled_refs
+
+
+def test_ids_past_int64(tmp_path: Path) -> None:
+    """Hash ids of 64 bits and more (stand-ins below 0, as the exact reader's) sample like any:
+    at rate 1 the exact curve."""
+    import json
+
+    big = [2**70 + 5, 2**63, 2**63 - 1, 7]
+    rows = [{"timestamp": i, "input_length": 8, "output_length": 5, "hash_ids": h}
+            for i, h in enumerate([[big[0], big[1]], [big[0], big[1]], [big[2], big[3]],
+                                   [big[0], big[1]], [big[2], big[3]]])]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, arrs = streamed(path, 4, block_size=4)
+    exact = fast.stack_distances(arrs)
+    for check in (2, 1 << 40):
+        smp = sampled(path, 1.0, 4, 4, check=check)
+        for c in range(0, exact.max_pages + 2):
+            assert smp.curve.hit_tokens(c) == exact.hit_tokens(c), (check, c)

@@ -44,15 +44,6 @@ _CHUNK = 1 << 20  # block references buffered before they are sampled (8 MiB)
 _BITS = 24  # hash bits compared with the rate
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser over uint64 (wrapping)."""
-    with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 def _start(n: int, warmup: float) -> int:
     """The first measured request of `n` (as `fast.warmup_start`)."""
     return int(math.floor(n * warmup))
@@ -100,8 +91,71 @@ def _gains(req, pos, nb, inp, m, ps):  # type: ignore[no-untyped-def]
     return gain, kreq, koff, klook
 
 
-def _under(h: np.ndarray, threshold: int) -> np.ndarray:
-    return (h & np.uint64((1 << _BITS) - 1)) < np.uint64(threshold)
+@njit(cache=True, inline="always")
+def _mix1(z):  # type: ignore[no-untyped-def]
+    """SplitMix64's finaliser of one uint64 (as `_mix`)."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True)
+def _scan(raw, nb, n_extra, lo, m, thr, hot, extra0, k_raw, k_j, k_req, k_pos, fill):  # type: ignore[no-untyped-def]
+    """The kept references of consecutive requests (see `_sample_chunk`); written when `fill`,
+    counted always."""
+    mask = np.uint64((1 << _BITS) - 1)
+    kk = np.uint64(0x5851F42D4C957F2D)
+    nh = len(hot)
+    cnt = 0
+    i = 0
+    x = extra0
+    for r in range(len(nb)):
+        for k in range(nb[r]):
+            b = raw[i]
+            i += 1
+            is_hot = False
+            if nh:
+                at = np.searchsorted(hot, b)
+                is_hot = at < nh and hot[at] == b
+            hb = _mix1(np.uint64(b))
+            for j in range(m):
+                if is_hot or (_mix1(hb + np.uint64(j)) & mask) < thr:
+                    if fill:
+                        k_raw[cnt] = b
+                        k_j[cnt] = j
+                        k_req[cnt] = lo + r
+                        k_pos[cnt] = k * m + j
+                    cnt += 1
+        for e in range(n_extra[r]):
+            if (_mix1(x ^ kk) & mask) < thr:
+                if fill:
+                    k_raw[cnt] = np.int64(x)
+                    k_j[cnt] = -1
+                    k_req[cnt] = lo + r
+                    k_pos[cnt] = nb[r] * m + e
+                cnt += 1
+            x += np.uint64(1)
+    return cnt
+
+
+def _sample_chunk(raw: np.ndarray, nb: np.ndarray, n_extra: np.ndarray, lo: np.int64,
+                  m: np.int64, thr: np.uint64, hot: np.ndarray, extra0: np.uint64
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The kept references of consecutive requests (from `lo`; `nb[i]` blocks of `raw` each,
+    then `n_extra[i]` unique pages ranked from `extra0`): page j of block b when b is hot (in
+    the sorted `hot`) or when the low 24 bits of mix(mix(b) + j) fall under `thr`; a unique page
+    of rank x when those of mix(x ^ K) do (mix: SplitMix64's finaliser). Returns raw id (the
+    rank of a unique page), page index in the block (-1: unique), request, position on the
+    path; in request, then path order."""
+    args = (raw, nb, n_extra, lo, m, thr, hot, extra0)
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int16), np.zeros(0, np.int32),
+             np.zeros(0, np.int32))
+    cnt = _scan(*args, *empty, False)
+    out = (np.empty(cnt, np.int64), np.empty(cnt, np.int16), np.empty(cnt, np.int32),
+           np.empty(cnt, np.int32))
+    _scan(*args, *out, True)
+    return out
 
 
 @njit(cache=True)
@@ -329,45 +383,17 @@ class SampleSink:
 
     def _sample(self, raw: np.ndarray, lo: int, lens: np.ndarray) -> None:
         """Keeps the sampled references of requests lo, lo+1, ... (their lengths `lens`, their
-        blocks `raw`)."""
-        hi = lo + len(lens)
-        nb = lens[:, 0]
-        req = np.repeat(np.arange(lo, hi, dtype=np.int64), nb)
-        starts = np.zeros(len(nb), np.int64)
-        np.cumsum(nb[:-1], out=starts[1:])
-        kpos = np.arange(len(raw), dtype=np.int64) - np.repeat(starts, nb)  # block index
-        hot_ids = self._hot
-        assert hot_ids is not None
-        if len(hot_ids):
-            at = np.minimum(np.searchsorted(hot_ids, raw), len(hot_ids) - 1)
-            hot = hot_ids[at] == raw
-        else:
-            hot = np.zeros(len(raw), np.bool_)
-        hb = _mix(raw.view(np.uint64))
-        parts = []
-        for j in range(self.m):
-            keep = hot | _under(_mix(hb + np.uint64(j)), self.threshold)
-            parts.append((raw[keep], np.full(int(keep.sum()), j, np.int64), req[keep],
-                          kpos[keep] * self.m + j))
-        del raw, hb, req, kpos, hot
-        # the unique tail and output pages: (1 + output) // page size per request, by rank
-        out = np.zeros(len(nb), np.int64) if self.ignore_output else lens[:, 2]
-        n_extra = (1 + out) // self.ps
-        tot = int(n_extra.sum())
-        if tot:
-            rank = np.arange(self._extra, self._extra + tot, dtype=np.uint64)
-            keep = _under(_mix(rank ^ np.uint64(0x5851F42D4C957F2D)), self.threshold)
-            ereq = np.repeat(np.arange(lo, hi, dtype=np.int64), n_extra)[keep]
-            eoff = np.zeros(len(n_extra), np.int64)
-            np.cumsum(n_extra[:-1], out=eoff[1:])
-            within = (np.arange(tot, dtype=np.int64) - np.repeat(eoff, n_extra))[keep]
-            parts.append((rank[keep].astype(np.int64), np.full(len(ereq), -1, np.int64), ereq,
-                          np.repeat(nb * self.m, n_extra)[keep] + within))
-            self._extra += tot
-        raw_k, j_k, req_k, pos_k = (np.concatenate(x) for x in zip(*parts))
-        order = np.lexsort((pos_k, req_k))
-        self._kept.append((raw_k[order], j_k[order].astype(np.int16),
-                           req_k[order].astype(np.int32), pos_k[order].astype(np.int32)))
+        blocks `raw`), in request then path order."""
+        hot = self._hot
+        assert hot is not None
+        out = np.zeros(len(lens), np.int64) if self.ignore_output else lens[:, 2]
+        n_extra = (1 + out) // self.ps  # the unique tail and output pages, by rank
+        k_raw, k_j, k_req, k_pos = _sample_chunk(
+            raw, np.ascontiguousarray(lens[:, 0]), n_extra, np.int64(lo), np.int64(self.m),
+            np.uint64(self.threshold), hot, np.uint64(self._extra))
+        self._extra += int(n_extra.sum())
+        if len(k_raw):
+            self._kept.append((k_raw, k_j, k_req, k_pos))
 
     def finish(self) -> Sample:
         """The sampled curve of the whole trace and its check on the slice."""
