@@ -329,10 +329,11 @@ def test_lmcache_log_gives_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert doc["result"]["hit_tokens"] == 2 * 32  # full chunks only; the 8-token tail never hits
 
 
-def test_sample_prints_the_curve_and_its_error(small: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_sample_prints_the_curve_and_its_error(small: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """--sample gives the sampled curve alone (no replay, no exact analyses) with the error
     measured on the validation slice; at rate 1 it is the exact curve."""
+    monkeypatch.setenv("COLUMNS", "400")  # the report wraps at the terminal's width
     exact = run_json(capsys, [str(small), "--block-size", "16", "--mrc"])
     doc = run_json(capsys, [str(small), "--block-size", "16", "--sample", "1"])
     for key in ("result", "unbounded", "opt", "savings", "reuse_distance", "sharing"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from tests.tools.test_mrc import BS, random_reqs, trace_of
 from tests.tools.test_replay_modes import TIERS, block_trace, engine_trace
 from tools.hitrate import fast, fast_replay, mrc
-from tools.hitrate.arrays import BlockSink, PageArrays, from_trace
+from tools.hitrate.arrays import BlockSink, PageArrays, extend_ids, from_trace
 from tools.hitrate.pages import Layout
 from tools.hitrate.simulate import TierConfig, replay, replay_arrays
 from tools.hitrate.traces import Trace, read_trace
@@ -256,6 +257,24 @@ def test_stream_densifies_raw_hash_ids_in_order_of_first_appearance(tmp_path: Pa
     assert_arrays_equal(got, from_trace(whole, 4))
     # request 0: its blocks, then the one page of its unique token + 3 outputs (ids from 7 up)
     assert got.pages[:6].tolist() == [0, 1, 7, 0, 2, 3] and got.path(2).tolist() == [4, 5, 8, 9]
+
+
+def test_a_huge_id_after_small_ones_is_appended_once(tmp_path: Path) -> None:
+    """`array.extend` keeps what it appended before an id overflowed int64: those ids are not
+    appended twice (the arrays equal the non-streamed read's)."""
+    buf: array[int] = array("q", [5])
+    big: dict[int, int] = {}
+    extend_ids(buf, [9, 3, 2**64, 2**64 + 1, 2**64], big)
+    assert buf.tolist() == [5, 9, 3, -1, -2, -1]
+    rows = [
+        {"timestamp": 0, "input_length": 12, "output_length": 1, "hash_ids": [9, 3, 2**70]},
+        {"timestamp": 1, "input_length": 16, "output_length": 0, "hash_ids": [9, 3, 2**70, 4]},
+    ]
+    path = tmp_path / "late.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tr, got = streamed(path, 4, block_size=4)
+    assert_arrays_equal(got, from_trace(read_trace(path, block_size=4), 4))
+    assert got.path(0).tolist()[:3] == [0, 1, 2] and got.path(1).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("seed", range(6))

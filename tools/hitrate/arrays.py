@@ -15,6 +15,7 @@ is 8 bytes per block reference plus the reader's map of distinct hash ids. Token
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,18 @@ def from_trace(trace: Trace, page_size: int, *, ignore_output: bool = False) -> 
                       int(arr.max()) + 1 if len(arr) else 0)
 
 
+def extend_ids(buf: array[int], ids: Sequence[int], big: dict[int, int]) -> None:
+    """Append a request's hash ids to `buf` (int64). An id of 64 bits or more gets a stand-in
+    below 0, the same one each time it comes back (`big` remembers them). `array.extend` keeps
+    the ids it appended before the one that overflows: they are taken back first."""
+    n = len(buf)
+    try:
+        buf.extend(ids)
+    except OverflowError:
+        del buf[n:]
+        buf.extend(b if b < 1 << 63 else big.setdefault(b, -1 - len(big)) for b in ids)
+
+
 class BlockSink:
     """Receives a block trace's requests one by one (`read_trace(..., sink=...)`) and keeps only
     their block ids and lengths in int64 buffers."""
@@ -84,12 +97,7 @@ class BlockSink:
 
     def __call__(self, req: Request) -> None:
         assert req.blocks is not None
-        try:
-            self.blocks.extend(req.blocks)
-        except OverflowError:  # a hash id of 64 bits or more: a stand-in below 0, one per id
-            big = self._big
-            self.blocks.extend(b if b < 1 << 63 else big.setdefault(b, -1 - len(big))
-                               for b in req.blocks)
+        extend_ids(self.blocks, req.blocks, self._big)
         self.n_blocks.append(len(req.blocks))
         self.input_len.append(req.input_len)
         self.output_len.append(req.output_len)

@@ -101,6 +101,21 @@ def _stack(pages, off, n_lookup, input_len, ps, flat, keep, start, last, req_at,
 
 
 @njit(cache=True)
+def fenwick_move(tree, size, t, clock, wp):  # type: ignore[no-untyped-def]
+    """Move a page of weight `wp` in a Fenwick tree of stack positions from position `t` (its
+    last use; -1: none) to `clock` (now): the one-pass stack's step for each page used."""
+    if t >= 0:
+        j = t + 1
+        while j <= size:
+            tree[j] -= wp
+            j += j & -j
+    j = clock + 1
+    while j <= size:
+        tree[j] += wp
+        j += j & -j
+
+
+@njit(cache=True)
 def _stack_sampled(pages, off, n_lookup, input_len, ps, num_pages, w):  # type: ignore[no-untyped-def]
     """Tree-order stack distances over the pages of weight w > 0 (see `sampled_stack`): a kept
     lookup page's distance is 1 + the weight of the kept pages touched since it was, and its
@@ -140,18 +155,9 @@ def _stack_sampled(pages, off, n_lookup, input_len, ps, num_pages, w):  # type: 
             p = pages[off[r + 1] - 1 - q]
             if w[p] == 0:
                 continue
-            t = last[p]
-            if t >= 0:
-                j = t + 1
-                while j <= size:
-                    tree[j] -= w[p]
-                    j += j & -j
-                live -= w[p]
-            j = clock + 1
-            while j <= size:
-                tree[j] += w[p]
-                j += j & -j
-            live += w[p]
+            if last[p] < 0:
+                live += w[p]
+            fenwick_move(tree, size, last[p], clock, w[p])
             last[p] = clock
             clock += 1
     return tok_at, total

@@ -37,7 +37,8 @@ import numpy as np
 from numba import njit
 
 from hicache_client.errors import ConfigError, HiCacheError
-from tools.hitrate.arrays import BlockSink
+from tools.hitrate.arrays import BlockSink, extend_ids
+from tools.hitrate.fast import fenwick_move
 from tools.hitrate.traces import Request, Trace
 
 _CHUNK = 1 << 20  # block references buffered before they are sampled (8 MiB)
@@ -193,18 +194,9 @@ def _kept_stack(kpages, koff, klook, kgain, kreq, w, start):  # type: ignore[no-
                 k += 1
         for q in range(e - o):  # deepest first, as the tree inserts a path
             p = kpages[e - 1 - q]
-            t = last[p]
-            if t >= 0:
-                j = t + 1
-                while j <= size:
-                    tree[j] -= w[p]
-                    j += j & -j
-                live -= w[p]
-            j = clock + 1
-            while j <= size:
-                tree[j] += w[p]
-                j += j & -j
-            live += w[p]
+            if last[p] < 0:
+                live += w[p]
+            fenwick_move(tree, size, last[p], clock, w[p])
             last[p] = clock
             clock += 1
     return dist[:k], gain[:k]
@@ -313,12 +305,7 @@ class SampleSink:
 
     def __call__(self, req: Request) -> None:
         assert req.blocks is not None
-        try:
-            self._buf.extend(req.blocks)
-        except OverflowError:  # a hash id of 64 bits or more: a stand-in below 0, one per id
-            big = self._big
-            self._buf.extend(b if b < 1 << 63 else big.setdefault(b, -1 - len(big))
-                             for b in req.blocks)
+        extend_ids(self._buf, req.blocks, self._big)
         try:
             self._lens.extend((len(req.blocks), req.input_len, req.output_len))
         except OverflowError:
