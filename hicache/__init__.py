@@ -4,27 +4,9 @@ Depends on torch, numpy and `hicache_client` (the page record codec, storage key
 the storage backend contract, shared with every backend and plugin); imports nothing from
 `engine`, `storage_backends` or `tools`.
 
-The storage types have one home each: `hicache_client.backend` (`StorageBackend`,
-`StorageConfig`, `BackendStats`), `hicache_client.codec` (`PageCodec`, page records),
-`hicache_client.registry` (`create_backend`, `register_backend`), `hicache_client.errors`.
+Nothing is imported here: each name is imported from the module that defines it
+(`hicache.hiradix.HiRadixCache`, `hicache.config.HiCacheConfig`, `hicache.simulation.
+simulate_request`, ...), so a torch-free module of the core (`hicache.lru`, used by
+`hicache-server`) loads without torch. The storage types live in `hicache_client.backend`,
+`hicache_client.codec`, `hicache_client.registry` and `hicache_client.errors`.
 """
-
-from __future__ import annotations
-
-from hicache.config import HiCacheConfig
-from hicache.hiradix import HiRadixCache
-from hicache.prefix_cache import Acquired, InsertResult, MatchResult
-from hicache.sim_storage import SimStorage
-from hicache.simulation import simulate_request
-from hicache.stats import CacheStats
-
-__all__ = [
-    "Acquired",
-    "CacheStats",
-    "HiCacheConfig",
-    "HiRadixCache",
-    "InsertResult",
-    "MatchResult",
-    "SimStorage",
-    "simulate_request",
-]

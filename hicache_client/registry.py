@@ -37,8 +37,9 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 def _entry_points() -> dict[str, str]:
-    """Backend name -> "module:attribute", from the installed entry points, else from the
-    source tree's pyproject files (when this package runs from a checkout)."""
+    """Backend name -> "module:attribute": the installed entry points, over the same tables
+    read from the source tree's pyproject files (found only when this package runs from a
+    checkout; they fill in what was never installed)."""
     eps = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     return {**_source_tree(), **eps}
 

@@ -362,17 +362,6 @@ class PageStore:
         with self._lock:
             return [self._ns_of.get(k) for k in keys]
 
-    def held(self) -> list[tuple[str, str, int]]:
-        """(key, namespace, bytes) of every page in memory (namespace "-": not a record): a
-        walk of the whole map, for tests and debugging (`namespace_totals` is the cheap view)."""
-        with self._lock:
-            out = []
-            for k in self._lru:
-                v = self._lru.get(k, touch=False)
-                assert v is not None
-                out.append((k, self._ns_of[k], nbytes(v)))
-            return out
-
     def lru_order(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""
         with self._lock:

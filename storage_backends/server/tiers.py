@@ -365,7 +365,6 @@ class Tiers:
         """The admin's `stats` rows: memory and disk pages, pins, hits and misses (the memory
         tier's from its running totals, the pins' from the pins alone: nothing walks every
         page)."""
-        self.pins.expire()
         pinned: dict[str, tuple[int, int]] = {}
         for _, ns, n, _ in self.pin_list():
             if n >= 0:

@@ -84,7 +84,7 @@ def test_totals_follow_every_change_with_tenant_partitions() -> None:
     assert store.namespace_totals(partition=TAG_B) == {}
     _check(store, 16)
     store.clear()
-    assert store.namespace_totals() == {} and store.held() == []
+    assert store.namespace_totals() == {} and store.lru_order() == []
 
 
 def test_totals_of_arena_records_are_read_once_at_store_time(tmp_path) -> None:  # noqa: ANN001
