@@ -67,7 +67,7 @@ class Acks:
                 self._drop_failed_write(op)
                 return
             st.backup_tokens += len(op.host_pages) * ps
-            if c.has_storage and not op.node.removed:
+            if not op.node.removed and c.admit(op.node):
                 self.backup(op.node, op.host_pages, op.keys)
         elif isinstance(op, BackupOp):
             st.storage_backup_pages += op.written

@@ -65,6 +65,12 @@ class HiCacheConfig:
     load_margin: float = 1.0
     eviction_policy: str = "lru"
     eviction_config: Mapping[str, Any] = field(default_factory=dict)
+    # Which backed-up pages are written to L3 (`hicache.admission`): always, reuse:N,
+    # frequency[:HALF_LIFE_REQUESTS].
+    storage_admission: str = "always"
+    # The longest soft pin a request's `retention_seconds` may ask for (longer asks are cut to
+    # this); 0: retention hints are ignored.
+    max_retention_seconds: float = 3600.0
     # Seconds a failed backend is left alone before it is tried again (doubles up to 30 s).
     storage_retry_backoff: float = 1.0
     # Run transfers inline instead of on background threads (deterministic; used by tests).
@@ -125,10 +131,13 @@ class HiCacheConfig:
             "storage_extra_config must be a mapping",
         )
         check(isinstance(self.eviction_config, Mapping), "eviction_config must be a mapping")
+        check(self.max_retention_seconds >= 0, "max_retention_seconds must be >= 0")
         # Validates the policy name and its config keys now, not at the first eviction.
+        from hicache.admission import make_admission
         from hicache.eviction import make_policy
 
         make_policy(self.eviction_policy, self.eviction_config)
+        make_admission(self.storage_admission)
 
     def prefetch_timeout(self, n_tokens: int) -> float:
         """Seconds the `timeout` prefetch policy waits for a prefetch of `n_tokens` tokens."""

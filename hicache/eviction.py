@@ -3,6 +3,9 @@
 A policy orders evictable nodes by a sort key: the smallest key is evicted first. Every key ends
 with `(last_access, node_id)`, so ties fall back to LRU and the order is total and deterministic.
 Access times are a logical clock (`TreeNode.last_access`), not wall time.
+
+Before the policy's key comes a node's class (`hint_class`), whatever the policy: pages of a
+`skip_cache_write` request go first, soft-pinned ones (`retention_seconds`) last.
 """
 
 from __future__ import annotations
@@ -114,6 +117,14 @@ def make_policy(name: str, config: Mapping[str, Any] | None = None) -> EvictionP
     return EVICTION_POLICIES[name](config)
 
 
+def hint_class(node: TreeNode) -> int:
+    """0: `skip_cache_write` pages; 1: the rest; 2: soft-pinned (evicted only when nothing
+    else is left). The tree clears `retain_until` when a pin expires and pushes the node again."""
+    if node.no_write:
+        return 0
+    return 2 if node.retain_until else 1
+
+
 class Candidates:
     """Lazy min-heap of eviction candidates in policy order. Entries go stale when a node's key
     changes or it stops being a candidate; they are checked when popped. Push whenever a node may
@@ -125,19 +136,22 @@ class Candidates:
         self.heap: list[tuple[SortKey, int, TreeNode]] = []
         self._seq = count()
 
+    def key(self, node: TreeNode) -> SortKey:
+        return (hint_class(node), *self.policy.key(node))
+
     def push(self, node: TreeNode) -> None:
         if node.parent is not None and self.valid(node):
-            heapq.heappush(self.heap, (self.policy.key(node), next(self._seq), node))
+            heapq.heappush(self.heap, (self.key(node), next(self._seq), node))
 
     def pop(self) -> TreeNode | None:
         while self.heap:
             key, _, node = heapq.heappop(self.heap)
-            if self.valid(node) and self.policy.key(node) == key:
+            if self.valid(node) and self.key(node) == key:
                 return node
         return None
 
     def rebuild(self, nodes: Sequence[TreeNode]) -> None:
-        self.heap = [(self.policy.key(n), next(self._seq), n) for n in nodes if self.valid(n)]
+        self.heap = [(self.key(n), next(self._seq), n) for n in nodes if self.valid(n)]
         heapq.heapify(self.heap)
 
     def clear(self) -> None:

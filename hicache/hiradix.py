@@ -18,10 +18,14 @@ run in `TransferController`; their results are applied in `poll()`.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from itertools import count
 
 from hicache.acks import Acks
+from hicache.admission import Declined, make_admission
 from hicache.config import HiCacheConfig
 from hicache.controller import TransferController, WriteOp
 from hicache.emit import Emitter
@@ -68,10 +72,13 @@ class HiRadixCache:
         event_sink: EventSink | None = None,
         sync: RankSync = SOLO,
         shared_storage: bool = False,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """`sync`: agreement with the other tensor-parallel ranks (`hicache.sync`).
         `shared_storage`: every rank holds the same pages under the same keys (MLA's one
-        latent): only the rank `sync.writes_shared` names writes L3; every rank reads it."""
+        latent): only the rank `sync.writes_shared` names writes L3; every rank reads it.
+        `clock`: seconds, for soft pins (`retention_seconds`); default `time.time`."""
+        self.clock = clock or time.time
         self.config = config
         self.sync = sync
         self.writes_storage = sync.writes_shared or not shared_storage
@@ -132,6 +139,7 @@ class HiRadixCache:
         if len(self.namespace) != 32:
             raise ConfigError("namespace must be a 32-byte seed (hicache_client.keys.namespace_seed)")
         self.tree = RadixTree(ps)
+        self.tree.on_split = self._split
         self.chain = KeyChain(self.namespace, ps)
         self.events = Emitter(self.chain, ps)
         self.events.sink = event_sink
@@ -139,6 +147,12 @@ class HiRadixCache:
         self.device_candidates = Candidates(self.policy, device_candidate)
         self.host_candidates = Candidates(self.policy, host_candidate)
         self.counters = CacheStats()
+        # L3 admission (hicache.admission), the sketch of what it declined, and the soft pins
+        # (retain_until, seq, node) in expiry order.
+        self.admission = make_admission(config.storage_admission)
+        self.declined = Declined()
+        self.pins: list[tuple[float, int, TreeNode]] = []
+        self._pin_seq = count()
         self.host_inflight: dict[int, list[int]] = {}
         self._corrupt_before = 0  # corrupt pages counted by backends detached since
         self.controller = self._make_controller()
@@ -266,6 +280,7 @@ class HiRadixCache:
             if x.host_value is not None:
                 self.host_alloc.free(x.host_value)
         self.tree.clear()
+        self.pins.clear()
         self.device_candidates.clear()
         self.host_candidates.clear()
         self.events.cleared("device")
@@ -412,6 +427,7 @@ class HiRadixCache:
 
     def record_admission(self, acq: Acquired, input_tokens: int) -> None:
         """Count one admitted request of `input_tokens` prompt tokens and its per-tier hits."""
+        self.admission.tick()
         st = self.counters
         st.requests += 1
         st.input_tokens += input_tokens
@@ -430,6 +446,7 @@ class HiRadixCache:
     ) -> Acquired:
         ps = self.page_size
         cfg = self.config
+        self._expire()
         from_storage = self.prefetcher.take(request_id) if request_id is not None else 0
         nodes = self.tree.match_split(t, extra_key)
         root = self.tree.root(extra_key)
@@ -469,6 +486,7 @@ class HiRadixCache:
         for x in used:
             x.hit_count += 1
             x.last_access = tick
+        self._reused(used)
         self.tree.inc_lock(end)
         # Write-through catch-up: back up matched device nodes that have no host copy yet.
         if self.host_enabled and used:
@@ -558,30 +576,42 @@ class HiRadixCache:
         device_pages: Sequence[int],
         extra_key: str | None = None,
         priority: int = 0,
+        *,
+        skip_write: bool = False,
+        retention_s: float = 0.0,
     ) -> InsertResult:
         """Cache the full pages of `tokens`, whose KV is in `device_pages` (one per page).
 
         The tree takes the caller's pages where it has none (new nodes, and host-only nodes the
         caller recomputed), frees the caller's pages that duplicate pages it already holds, and
         returns its own pages for the range: the caller must use those from now on.
+
+        The request's hints (`hicache.admission.CacheHints`): `skip_write` keeps the pages it
+        adds on the device only, first to be evicted; `retention_s` soft-pins the whole
+        sequence for that long (at most `max_retention_seconds`).
         """
-        r = self._insert(tuple(tokens), list(device_pages), extra_key, priority)
+        r = self._insert(tuple(tokens), list(device_pages), extra_key, priority, skip_write)
+        if retention_s > 0 and r.node.parent is not None:
+            self.retain(r.node, retention_s)
         self._after()
         return r
 
     def _insert(
-        self, t: Tokens, pages_in: list[int], extra_key: str | None, priority: int
+        self, t: Tokens, pages_in: list[int], extra_key: str | None, priority: int,
+        skip_write: bool = False,
     ) -> InsertResult:
         ps = self.page_size
         n_pages = len(t) // ps
         if len(pages_in) < n_pages:
             raise ValueError(f"{len(pages_in)} device pages for {n_pages} full pages of tokens")
+        self._expire()
         pages = pages_in[:n_pages]
         node = self.tree.root(extra_key)
         tick = self.tree.clock()
         out: list[int] = []
         dups: list[int] = []
         new_tokens = 0
+        fresh: list[TreeNode] = []  # nodes whose pages this request computed
         i = 0
         while i < n_pages:
             child = node.children.get(t[i * ps : (i + 1) * ps])
@@ -590,6 +620,8 @@ class HiRadixCache:
                 self.set_device(child, pages[i:])
                 child.priority = priority
                 child.hit_count = 1  # the request that computed it is its first use (SGLang)
+                child.no_write = skip_write
+                fresh.append(child)
                 new_tokens += (n_pages - i) * ps
                 out.extend(pages[i:])
                 node = child
@@ -601,15 +633,22 @@ class HiRadixCache:
                 # Re-attach: the caller recomputed these pages.
                 self.set_device(child, pages[i : i + m])
                 new_tokens += m * ps
+                fresh.append(child)
             else:
                 dups.extend(p for p, q in zip(pages[i : i + m], child.value) if p != q)
             out.extend(child.value)  # type: ignore[arg-type]  # set on both branches
             child.last_access = tick
             child.priority = max(child.priority, priority)
+            if child.no_write and not skip_write:
+                child.no_write = False  # a request without the hint uses them: keep them
             node = child
             i += m
         if dups:
             self.device_alloc.free(dups)
+        if skip_write:
+            self.counters.skip_write_pages += sum(x.num_pages for x in fresh if x.no_write)
+        else:
+            self._computed(fresh)
         if node.parent is not None:
             node.last_access = tick
             self.device_candidates.push(node)
@@ -627,6 +666,8 @@ class HiRadixCache:
         chain = [x for x in self.tree.path(node) if x.host_value is None and not x.stored]
         if not chain:
             return True
+        if any(x.no_write for x in chain):
+            return False  # skip_cache_write: device only
         chain.reverse()
         n = sum(x.num_pages for x in chain)
         host = self._alloc_host_pinned(node, n)
@@ -643,6 +684,85 @@ class HiRadixCache:
             self.controller.submit_write(WriteOp(x, list(x.value), x.host_value, keys=keys))  # type: ignore[arg-type]
         return True
 
+    # -- L3 admission and soft pins (hicache.admission) -------------------------------------
+
+    def admit(self, node: TreeNode) -> bool:
+        """Whether `node`'s pages go to L3 now (False without L3). A refusal by admission
+        marks the node `declined` (asked again when it is hit), counts its pages and puts them
+        in the declined sketch."""
+        if not self.has_storage or node.no_write:
+            return False
+        if not self.admission.counts_uses:
+            return True
+        digests = self.chain.digests(node)
+        if self.admission.admits(digests):
+            if node.declined:
+                node.declined = False
+                self.declined.discard(digests)
+            return True
+        node.declined = True
+        self.counters.storage_declined_pages += len(digests)
+        self.declined.add(digests)
+        return False
+
+    def _computed(self, fresh: list[TreeNode]) -> None:
+        """The request computed these nodes' pages: their first use (or one more, for pages
+        that had left the tree), and recomputed declined pages L3 would have served."""
+        if not fresh or not self.has_storage or not self.admission.counts_uses:
+            return
+        for x in fresh:
+            d = self.chain.digests(x)
+            self.admission.seen(d)
+            if x.host_value is None:  # recomputed for want of a copy (not a host copy's plan)
+                self.counters.storage_declined_rehit_pages += self.declined.count(d)
+
+    def _reused(self, used: list[TreeNode]) -> None:
+        """A request hit these nodes on device/host (top-down): count the use, and write the
+        ones admission declined before and admits now (their host copy is complete)."""
+        if not used or not self.has_storage or not self.admission.counts_uses:
+            return
+        for x in used:
+            self.admission.seen(self.chain.digests(x))
+        for x in used:
+            if x.declined and x.host_value is not None and not x.stored and self.admit(x):
+                self.acks.backup(x, list(x.host_value), self.storage_keys(x))
+
+    def retain(self, node: TreeNode, seconds: float) -> float:
+        """Soft-pin `node` and its ancestors for `seconds` (cut to `max_retention_seconds`);
+        an existing longer pin stays. Returns the pin's end on the cache's clock (0: none)."""
+        limit = self.config.max_retention_seconds
+        if seconds <= 0 or limit <= 0:
+            return 0.0
+        st = self.counters
+        st.retention_requests += 1
+        if seconds > limit:
+            st.retention_clamped += 1
+            seconds = limit
+        until = self.clock() + seconds
+        for x in self.tree.path(node):
+            if x.retain_until < until:
+                x.retain_until = until
+                heapq.heappush(self.pins, (until, next(self._pin_seq), x))
+                self.touch(x)  # its eviction class changed
+        return until
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        if upper.retain_until:  # the upper part keeps the pin, and ends with it
+            heapq.heappush(self.pins, (upper.retain_until, next(self._pin_seq), upper))
+
+    def _expire(self) -> None:
+        """End the soft pins whose time has come (counted), so eviction may take them."""
+        pins = self.pins
+        if not pins:
+            return
+        now = self.clock()
+        while pins and pins[0][0] <= now:
+            until, _, x = heapq.heappop(pins)
+            if x.retain_until == until and not x.removed:
+                x.retain_until = 0.0
+                self.counters.retention_expired += 1
+                self.touch(x)
+
     # -- eviction ----------------------------------------------------------------------------
 
     def evict(self, n_tokens: int) -> int:
@@ -654,6 +774,7 @@ class HiRadixCache:
         return r
 
     def _evict(self, n_tokens: int) -> int:
+        self._expire()
         evicted = 0
         skipped: list[TreeNode] = []
         if len(self.device_candidates.heap) > 4 * self.device_alloc.num_pages + 1024:
@@ -678,6 +799,8 @@ class HiRadixCache:
             keep = self.config.write_policy == "write_back" or bool(node.children)
             if node.stored and self.config.host_memory_mode == "buffer_only":
                 keep = False  # its pages are in L3: no need to stage them again
+            if node.no_write:
+                keep = False  # skip_cache_write: never copied below the device
             if not (keep and self.host_enabled and self._backup_now(node)):
                 if node.host_ref > 0:
                     return 0  # the node or a descendant is host-pinned; try later
@@ -712,7 +835,7 @@ class HiRadixCache:
         self.set_host(node, host)
         self.counters.backup_tokens += k * self.page_size
         buffer = self.config.host_memory_mode == "buffer_only"
-        if (buffer or self.config.write_policy != "write_back") and self.has_storage:
+        if (buffer or self.config.write_policy != "write_back") and self.admit(node):
             self.acks.backup(node, list(host), self.storage_keys(node))
         return True
 
@@ -747,6 +870,7 @@ class HiRadixCache:
 
     def _evict_host(self, n_tokens: int) -> int:
         ps = self.page_size
+        self._expire()
         evicted = 0
         if len(self.host_candidates.heap) > 4 * self.host_alloc.num_pages + 1024:
             self.host_candidates.rebuild(list(self.tree.nodes()))
@@ -760,6 +884,7 @@ class HiRadixCache:
                 self.config.write_policy == "write_back"
                 and self.has_storage
                 and self.controller.storage_usable()
+                and self.admit(node)
             )
             keys = self.storage_keys(node) if write else []
             parent = node.parent

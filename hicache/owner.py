@@ -41,6 +41,10 @@ class CacheOwner(Protocol):
         """Set or clear `node`'s host copy (reported to the event sink)."""
         ...
 
+    def admit(self, node: TreeNode) -> bool:
+        """Whether `node`'s backed-up pages go on to L3 (`hicache.admission`)."""
+        ...
+
     def alloc_host(self, n: int) -> list[int] | None:
         """`n` host pages, evicting host copies as needed; None when impossible."""
         ...

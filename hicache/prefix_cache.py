@@ -90,6 +90,9 @@ class PrefixCache(Protocol):
         device_pages: Sequence[int],
         extra_key: str | None = None,
         priority: int = 0,
+        *,
+        skip_write: bool = False,
+        retention_s: float = 0.0,
     ) -> InsertResult: ...
 
     def evictable_device_tokens(self) -> int: ...
@@ -179,6 +182,9 @@ class NoPrefixCache:
         device_pages: Sequence[int],
         extra_key: str | None = None,
         priority: int = 0,
+        *,
+        skip_write: bool = False,
+        retention_s: float = 0.0,
     ) -> InsertResult:
         self._drop_orphans()
         n = len(tokens) // self.page_size

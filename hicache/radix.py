@@ -28,6 +28,11 @@ class TreeNode:
     - `hit_count`, `last_access` (logical clock), `created`, `priority`: eviction inputs.
     - `stored`: the pages are known to be in L3 (this cache's backup of them was acked, or they
       were read from it); used to skip re-staging them through host memory.
+    - `no_write`: computed by a request that asked `skip_cache_write`: never copied below the
+      device, evicted first (cleared when a request without the hint uses the pages).
+    - `retain_until`: a soft pin (`retention_seconds`) until this time of the cache's clock; 0:
+      none. Evicted only when nothing unpinned is left.
+    - `declined`: L3 admission declined the pages' write; asked again when they are hit.
     """
 
     __slots__ = (
@@ -48,6 +53,9 @@ class TreeNode:
         "extra_key",
         "device_children",
         "stored",
+        "no_write",
+        "retain_until",
+        "declined",
     )
 
     def __init__(self, node_id: int, key: Tokens, parent: TreeNode | None, tick: int) -> None:
@@ -67,6 +75,9 @@ class TreeNode:
         self.removed = False
         self.device_children = 0  # children with a device copy (kept by RadixTree.set_value)
         self.stored = False  # pages known to be in L3 (a backup acked, or read from it)
+        self.no_write = False  # skip_cache_write: never below the device
+        self.retain_until = 0.0  # soft pin's end (the cache's clock); 0: none
+        self.declined = False  # L3 admission declined the write (asked again on a hit)
         self.extra_key: str | None = parent.extra_key if parent is not None else None
 
     @property
@@ -117,6 +128,8 @@ class RadixTree:
         # inc_lock, dec_lock and remove_leaf), so "evictable" is O(1).
         self.device_pages = 0
         self.locked_device_pages = 0
+        # Called with (upper, lower) after every split (the cache keeps its soft pins by node).
+        self.on_split: Callable[[TreeNode, TreeNode], None] | None = None
 
     # -- roots and nodes ---------------------------------------------------------------------
 
@@ -197,6 +210,9 @@ class RadixTree:
         upper.lock_ref = node.lock_ref
         upper.host_ref = node.host_ref
         upper.stored = node.stored
+        upper.no_write = node.no_write
+        upper.retain_until = node.retain_until
+        upper.declined = node.declined
         if node.value is not None:
             upper.value, node.value = node.value[:n_pages], node.value[n_pages:]
             upper.device_children = 1  # `node`, its only child; the parent's count is unchanged
@@ -208,6 +224,8 @@ class RadixTree:
         parent.children[upper.key[:ps]] = upper
         upper.children[node.key[:ps]] = node
         node.parent = upper
+        if self.on_split is not None:
+            self.on_split(upper, node)
         return upper
 
     # -- matching ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from hicache.admission import NO_HINTS, CacheHints
 from hicache.sim_storage import SimStorage
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def simulate_request(
     prompt: Sequence[int],
     output: Sequence[int] = (),
     extra_key: str | None = None,
+    hints: CacheHints = NO_HINTS,
 ) -> SimulatedRequest:
     """Run one request through `cache` as the engine does, one request at a time.
 
@@ -42,7 +44,7 @@ def simulate_request(
     """
     prompt = list(prompt)
     return replay_request(
-        cache, request_id, prompt[:-1], prompt + list(output), extra_key, len(prompt)
+        cache, request_id, prompt[:-1], prompt + list(output), extra_key, len(prompt), hints
     )
 
 
@@ -53,9 +55,11 @@ def replay_request(
     full: Sequence[int],
     extra_key: str | None = None,
     input_tokens: int | None = None,
+    hints: CacheHints = NO_HINTS,
 ) -> SimulatedRequest:
     """The request lifecycle with the looked-up and the inserted sequences given apart:
-    prefetch and acquire `lookup`, allocate pages for the rest of `full`, insert `full`.
+    prefetch and acquire `lookup`, allocate pages for the rest of `full`, insert `full` (with
+    the request's cache `hints`, as the engine's scheduler passes them).
 
     `simulate_request` is this with `lookup = prompt[:-1]`, `full = prompt + output`. A caller
     that maps every page to one id (a cache of page size 1 over page ids, which makes the same
@@ -78,7 +82,8 @@ def replay_request(
                                     acq.host_hit_tokens, acq.storage_hit_tokens,
                                     input_tokens - acq.cached_tokens)
         pages += new
-    cache.insert(full, pages, extra_key=extra_key)
+    cache.insert(full, pages, extra_key=extra_key, priority=hints.priority,
+                 skip_write=hints.skip_cache_write, retention_s=hints.retention_seconds)
     cache.release(acq.node)
     return SimulatedRequest(acq.cached_tokens, acq.device_hit_tokens, acq.host_hit_tokens,
                             acq.storage_hit_tokens, input_tokens - acq.cached_tokens)
