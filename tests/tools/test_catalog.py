@@ -52,6 +52,9 @@ def test_known_values() -> None:
     assert catalog.kv_bytes_per_token("deepseek-v3") == 61 * 576 * 2 == 70272
     assert catalog.kv_bytes_per_token("deepseek-v3", "fp8", tp=8) == 61 * 576
     assert catalog.kv_bytes_per_token("kimi-k2", "fp4") == 61 * 576 * 0.5
+    sm = catalog.lookup("smollm2-135m-instruct")  # the engine serves it under this name
+    assert sm.source == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert catalog.kv_bytes_per_token("smollm2-135m-instruct") == 2 * 30 * 3 * 64 * 2 == 23040
     g = catalog.lookup("gemma-3-27b")
     assert (g.sliding_window, g.sliding_layers, g.full_layers) == (1024, 52, 10)
     assert g.bytes_per_token() == 2 * 62 * 16 * 128 * 2

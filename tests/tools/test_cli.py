@@ -255,6 +255,22 @@ def test_malformed_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "missing.jsonl: no such file" in proc.stderr
 
 
+def test_default_command_imports_no_torch_nor_engine(mooncake_trace: Path) -> None:
+    """A whole default run (device-only LRU: the compiled replay, the curve, OPT) loads neither
+    torch nor the engine nor HiRadixCache: checked at the end of the run, not at start-up."""
+    code = ("import sys, io, contextlib\n"
+            "from tools.hitrate.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = main([{str(mooncake_trace)!r}, '--device', '2000p', '--mrc', "
+            "'--mrc-points', '15', '--json', '--limit', '2000'])\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', "
+            "'transformers') or m == 'hicache.hiradix')\n"
+            "print(rc, bad)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.stdout.strip() == "0 []", proc.stderr
+
+
 def test_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows: list = mooncake_rows([([0], 0), ([0, 1], 0), ([0, 1], 0)], 16)
     rows.insert(1, "{not json")
@@ -394,14 +410,21 @@ def test_sample_of_an_lmcache_log_reads_it_whole(tmp_path: Path,
 @pytest.mark.parametrize("device", ["unbounded", "3p", "40"])
 def test_compiled_replay_engine_equals_hiradix(small: Path, device: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """--replay-engine compiled (what 'auto' picks past 1M requests for a device-only LRU)
-    gives the HiRadixCache replay's numbers; a configuration it does not model is refused."""
+    """--replay-engine compiled (what 'auto' picks for a device-only LRU at any size) gives the
+    HiRadixCache replay's numbers; a configuration it does not model is refused, and auto
+    falls back to HiRadixCache there with the reason."""
     argv = [str(small), "--block-size", "16", "--page-size", "4", "--device", device]
     real = run_json(capsys, [*argv, "--replay-engine", "hiradix"])["result"]
     comp = run_json(capsys, [*argv, "--replay-engine", "compiled"])
     for key in ("requests", "input_tokens", "hit_tokens", "device_hit_tokens", "hit_requests",
                 "capped_tokens"):
         assert comp["result"][key] == real[key], key
+    assert comp["result"]["cache_stats"]["evicted_tokens"] == real["cache_stats"]["evicted_tokens"]
     assert any("compiled device-only LRU" in n for n in comp["notes"])
+    auto = run_json(capsys, argv)
+    assert auto["config"]["replay_engine"] == "compiled" and auto["result"] == comp["result"]
     assert main([*argv, "--host", "8p", "--replay-engine", "compiled", "--no-progress"]) == 2
-    assert "replays a device-only LRU configuration" in capsys.readouterr().err
+    assert "not exact for this configuration (a host tier (--host))" in capsys.readouterr().err
+    fell = run_json(capsys, [*argv, "--host", "8p"])
+    assert fell["config"]["replay_engine"] == "hiradix"
+    assert any("not exact here (a host tier (--host))" in n for n in fell["notes"])

@@ -117,6 +117,7 @@ MODELS: dict[str, ModelSpec] = {
         _gqa("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", 16, 8, 64),
         _gqa("llama-3.2-3b", "meta-llama/Llama-3.2-3B-Instruct", 28, 8, 128),
         _gqa("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", 80, 8, 128),
+        _gqa("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64),
         _gqa("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", 24, 2, 64),
         _gqa("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B-Instruct", 28, 2, 128),
         _gqa("qwen2.5-3b", "Qwen/Qwen2.5-3B-Instruct", 36, 2, 128),

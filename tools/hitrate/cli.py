@@ -19,7 +19,7 @@ from typing import Any
 from hicache_client.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
 from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command
-from tools.hitrate.options import COMPILED_FROM, build_parser
+from tools.hitrate.options import build_parser
 from tools.hitrate.sizes import to_pages
 from tools.hitrate.sweep import parse_sizes, run_sweep
 
@@ -27,6 +27,21 @@ logger = logging.getLogger(__name__)
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
+
+
+def _compiled_unfit(tiers: Any, args: argparse.Namespace, fmt: str) -> str:
+    """Why the compiled replay would not be exact for this configuration ('' when it is)."""
+    if tiers.host_pages != 0:
+        return "a host tier (--host)"
+    if tiers.storage_pages != 0:
+        return "an L3 tier (--storage)"
+    if tiers.eviction_policy != "lru":
+        return f"--eviction-policy {tiers.eviction_policy}"
+    if args.replay_mode != "pages":
+        return "--replay-mode tokens"
+    if fmt == "engine":
+        return "an engine log (its cached_tokens are compared request by request)"
+    return ""
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,22 +105,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     progress = False if args.no_progress else None
-    compiled_fits = (tiers.host_pages == 0 and tiers.storage_pages == 0
-                     and tiers.eviction_policy == "lru" and args.replay_mode == "pages")
+    why_not = _compiled_unfit(tiers, args, trace.format)
     engine = args.replay_engine
     if engine == "auto":
-        engine = "compiled" if compiled_fits and arrs.requests >= COMPILED_FROM else "hiradix"
-    if engine == "compiled" and not compiled_fits:
-        raise ConfigError("--replay-engine compiled replays a device-only LRU configuration "
-                          "(no --host, no --storage, --eviction-policy lru, --replay-mode pages)")
+        engine = "hiradix" if why_not else "compiled"
+        if why_not:
+            notes.append(f"replayed by HiRadixCache (--replay-engine auto): the compiled replay "
+                         f"is not exact here ({why_not})")
+    if engine == "compiled" and why_not:
+        raise ConfigError(f"--replay-engine compiled: not exact for this configuration ({why_not})")
     if engine == "compiled":
         sim = fast_replay.device_lru(arrs, tiers.device_pages, warmup=args.warmup)
         notes.append(
-            "the configuration was replayed by the compiled device-only LRU (--replay-engine "
-            "compiled: " + ("the unbounded bound" if tiers.device_pages is None else
-                            "fast_replay.tree_lru") + "), equal to HiRadixCache's replay hit for "
+            "replayed by the compiled device-only LRU (--replay-engine " + args.replay_engine
+            + ": " + ("the unbounded bound" if tiers.device_pages is None else
+                      "fast_replay.tree_lru") + "), equal to HiRadixCache's replay hit for "
             "hit (tests/tools/test_fast.py); HiRadixCache's counters (cache_stats) are not "
-            "kept; --replay-engine hiradix replays through HiRadixCache itself")
+            "kept but its evictions; --replay-engine hiradix replays through HiRadixCache itself")
     elif streamed or args.warmup:
         sim = replay_arrays(arrs, tiers, progress=progress, warmup=args.warmup)
     else:
@@ -247,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prefetch_policy": args.prefetch_policy,
             "ignore_output": args.ignore_output,
             "warmup": args.warmup,
+            "replay_engine": engine,
         },
         "result": {
             "requests": res.requests,

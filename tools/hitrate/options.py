@@ -8,9 +8,6 @@ from typing import Any
 
 from tools.hitrate.traces import MAX_LINE_BYTES, MAX_REQUEST_TOKENS
 
-# --replay-engine auto: the compiled replay from this many requests (a device-only LRU config)
-COMPILED_FROM = 1_000_000
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -177,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "'compiled' the compiled device-only LRU (tools/hitrate/fast_replay.py; the unbounded "
         "bound when --device is unbounded), equal to HiRadixCache's replay hit for hit (tested) "
         "but only for a device-only LRU configuration and without HiRadixCache's counters; "
-        f"'auto' (default) compiled for such a configuration of at least {COMPILED_FROM:,} "
-        "requests, else hiradix",
+        "'auto' (default) compiled wherever it is exact (any trace size), else hiradix, "
+        "with the reason in the notes; the JSON's config.replay_engine says which ran",
     )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
