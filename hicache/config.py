@@ -71,6 +71,8 @@ class HiCacheConfig:
     # The longest soft pin a request's `retention_seconds` may ask for (longer asks are cut to
     # this); 0: retention hints are ignored.
     max_retention_seconds: float = 3600.0
+    # Attribute every prompt token to a hit tier or a miss cause (hicache.attribution).
+    miss_attribution: bool = True
     # Seconds a failed backend is left alone before it is tried again (doubles up to 30 s).
     storage_retry_backoff: float = 1.0
     # Run transfers inline instead of on background threads (deterministic; used by tests).

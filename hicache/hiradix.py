@@ -26,6 +26,7 @@ from itertools import count
 
 from hicache.acks import Acks
 from hicache.admission import Declined, make_admission
+from hicache.attribution import EvictedSketch, add_into, attribute, complete, left_cache
 from hicache.config import HiCacheConfig
 from hicache.controller import TransferController, WriteOp
 from hicache.emit import Emitter
@@ -151,6 +152,8 @@ class HiRadixCache:
         # (retain_until, seq, node) in expiry order.
         self.admission = make_admission(config.storage_admission)
         self.declined = Declined()
+        # Miss attribution (hicache.attribution): the bounded sketch of recently evicted pages.
+        self.evicted = EvictedSketch() if config.miss_attribution else None
         self.pins: list[tuple[float, int, TreeNode]] = []
         self._pin_seq = count()
         self.host_inflight: dict[int, list[int]] = {}
@@ -211,6 +214,8 @@ class HiRadixCache:
     def set_device(self, node: TreeNode, pages: list[int] | None) -> None:
         if pages is None and node.value is not None:
             self.events.removed(node, "device")
+            if node.host_value is None and self.evicted is not None:
+                self.evicted.add(self.chain.digests(node), left_cache(node))
         self.tree.set_value(node, pages)
         if pages is not None:
             self.events.stored(node, "device")
@@ -218,6 +223,8 @@ class HiRadixCache:
     def set_host(self, node: TreeNode, pages: list[int] | None) -> None:
         if pages is None and node.host_value is not None:
             self.events.removed(node, "host")
+            if node.value is None and self.evicted is not None:
+                self.evicted.add(self.chain.digests(node), left_cache(node))
         node.host_value = pages
         if pages is not None:
             self.events.stored(node, "host")
@@ -434,6 +441,8 @@ class HiRadixCache:
         st.device_hit_tokens += acq.device_hit_tokens
         st.host_hit_tokens += acq.host_hit_tokens
         st.storage_hit_tokens += acq.storage_hit_tokens
+        if acq.outcomes is not None:
+            add_into(st.prompt_outcomes, complete(acq.outcomes, input_tokens))
         if acq.storage_hit_tokens:
             st.storage_hit_requests += 1
         elif acq.host_hit_tokens:
@@ -448,6 +457,9 @@ class HiRadixCache:
         cfg = self.config
         self._expire()
         from_storage = self.prefetcher.take(request_id) if request_id is not None else 0
+        note = self.prefetcher.notes.pop(request_id, None) if request_id is not None else None
+        unprobed = self.prefetcher.unprobed.pop(request_id, "below_prefetch_floor") \
+            if request_id is not None else "below_prefetch_floor"
         nodes = self.tree.match_split(t, extra_key)
         root = self.tree.root(extra_key)
         n_dev = 0
@@ -507,7 +519,12 @@ class HiRadixCache:
         pages: list[int] = []
         for x in used:
             pages.extend(x.value)  # type: ignore[arg-type]
-        return Acquired(pages, len(pages) * ps, end, dev_tokens, host_hit, storage_hit, counter)
+        outcomes = None if self.evicted is None else attribute(
+            self, t, extra_key, nodes[-1] if nodes else root, dev_tokens, host_tokens, wanted,
+            loaded, storage_hit, note, unprobed)
+        return Acquired(
+            pages, len(pages) * ps, end, dev_tokens, host_hit, storage_hit, counter, outcomes
+        )
 
     def _load_back(
         self, last_dev: TreeNode, host_nodes: list[TreeNode], layerwise: bool = False

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+from hicache.attribution import Note
 from hicache.config import DEFAULT_PREFETCH_THRESHOLD
 from hicache.ops import BackupOp, PrefetchOp, Transfer
 from hicache.radix import Tokens, common_pages
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from hicache.transfer import Event, LayerDoneCounter
 
 logger = logging.getLogger(__name__)
+V = TypeVar("V")
 
 # With `prefetch_threshold` left unset, a gap shorter than DEFAULT_PREFETCH_THRESHOLD tokens is
 # prefetched when the cost model expects loading it to save at least this many seconds over
@@ -56,6 +58,12 @@ class Prefetcher:
         self.c = owner
         self.pending: dict[str, PrefetchOp] = {}  # by request id, until taken or cancelled
         self.held = 0  # host pages owned by prefetches (pending, or taken and not yet released)
+        # Miss attribution (hicache.attribution), by request id until its admission takes it:
+        # what came of the pages its prefetch asked for (`Note`), the runs a fetch left out, and
+        # why L3 was not asked at all.
+        self.notes: dict[str, Note] = {}
+        self.tails: dict[str, list[tuple[int, str | None]]] = {}
+        self.unprobed: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -74,6 +82,10 @@ class Prefetcher:
         n = min(len(t) // ps - matched, self._allowance())
         if not self.worth_prefetching(n * ps) or not c.controller.storage_usable():
             c.counters.prefetch_skipped += 1
+            why = ("storage_unavailable" if not c.controller.storage_usable()
+                   else "below_prefetch_floor" if n == len(t) // ps - matched
+                   else "prefetch_host_capacity")
+            _bounded_put(self.unprobed, rid, why)
             return 0
         anchor = nodes[-1] if nodes else c.tree.root(extra_key)
         pin = c.tree.root(extra_key)  # the leading run of matched nodes with a host copy
@@ -152,8 +164,13 @@ class Prefetcher:
             n = planned
         worth = self.worth_prefetching(n * ps)
         host = c.alloc_host(n) if worth else None
+        found, n0 = probe.completed, max(0, min(probe.completed, self._allowance()))
+        tail = [(n0 - n, "recomputed_by_cost_model"), (found - n0, "prefetch_host_capacity"),
+                (len(probe.keys) - found, None)]
         if host is None:  # nothing in L3 (or too little), or no host room
             outcome("host_capacity" if worth else "below_threshold", n * ps)
+            why = "prefetch_host_capacity" if worth else "below_prefetch_floor"
+            _bounded_put(self.notes, probe.request_id, (probe.start_page, [(n, why), *tail]))
             c.counters.prefetch_skipped += 1
             del self.pending[probe.request_id]
             c.unpinned(c.tree.dec_host_ref(probe.anchor))
@@ -171,6 +188,7 @@ class Prefetcher:
         )
         self.pending[op.request_id] = op
         self.held += n
+        _bounded_put(self.tails, op.request_id, tail)
         c.host_inflight[id(op)] = host
         c.counters.prefetch_started += 1
         c.controller.submit_prefetch(op)
@@ -198,6 +216,9 @@ class Prefetcher:
     def cancel(self, rid: str) -> None:
         """Drop the prefetch of a request that went away; its host pages are given back as soon
         as the worker has stopped touching them."""
+        self.notes.pop(rid, None)
+        self.tails.pop(rid, None)
+        self.unprobed.pop(rid, None)
         op = self.pending.pop(rid, None)
         if op is None:
             return
@@ -225,6 +246,7 @@ class Prefetcher:
             op.cancelled = True
             op.taken = 0  # (its ack counts what L3 held as come too late)
             c.unpinned(c.tree.dec_host_ref(op.anchor))
+            self.notes[rid] = (op.start_page, [(len(op.keys), "prefetch_timeout")])
             return 0
         # Pages read so far (the worker may still be reading): the fewest any rank has.
         take = c.controller.agree_min(op.completed)[0]
@@ -233,10 +255,15 @@ class Prefetcher:
         # of it (its device-only part may have been evicted meanwhile: then nothing is taken).
         ek = op.anchor.extra_key
         nodes = c.tree.match_split(op.tokens[: op.start_page * ps], ek)
+        fetched = take
         if sum(x.num_pages for x in nodes) != op.start_page:
             c.counters.outcome("evicted_before_use", take * ps)
             take = 0
         op.taken = take
+        short = "prefetch_timeout" if op.late else "corrupt" if op.corrupt else "read_failed"
+        self.notes[rid] = (op.start_page, [
+            (fetched, "" if take else "evicted_before_use"),  # "": in the tree now
+            (len(op.keys) - fetched, short), *self.tails.pop(rid, [])])
         anchor = nodes[-1] if nodes else c.tree.root(ek)
         new_tokens, dups = self._insert_host_pages(op, anchor, take)
         # Pages the tree had meanwhile (a duplicate host copy, or one a device-only node gains):
@@ -321,6 +348,17 @@ class Prefetcher:
             c.counters.outcome("timeout", rest)
         else:
             c.counters.outcome("corrupt" if op.corrupt else "read_failed", rest)
+
+
+# Notes of requests never admitted nor cancelled are dropped beyond this many (oldest first).
+MAX_NOTES = 4096
+
+
+def _bounded_put(d: dict[str, V], key: str, value: V) -> None:
+    d.pop(key, None)
+    d[key] = value
+    if len(d) > MAX_NOTES:
+        del d[next(iter(d))]
 
 
 class ProbingTransfer(Transfer):

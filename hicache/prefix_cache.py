@@ -35,6 +35,8 @@ class Acquired(NamedTuple):
     # The load-back of the host-hit pages, issued layer by layer: the forward that first reads
     # them waits per layer (`merge_wait_layer`); `wait_all()` before the pages are given back.
     load: LayerDoneCounter | None = None
+    # Each looked-up token's outcome (hicache.attribution.OUTCOMES; None: attribution is off).
+    outcomes: dict[str, int] | None = None
 
 
 class InsertResult(NamedTuple):

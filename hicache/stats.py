@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hicache.attribution import no_attribution
+
 # Where each storage-hit token goes (`CacheStats.storage_hit_outcomes`): a token L3 said it holds,
 # when a request's prefetch asked (`storage_probed_tokens`), ends in exactly one of these.
 STORAGE_HIT_OUTCOMES: tuple[str, ...] = (
@@ -83,6 +85,9 @@ class CacheStats:
     # has ended, the outcomes sum to `storage_probed_tokens`).
     storage_probed_tokens: int = 0
     storage_hit_outcomes: dict[str, int] = field(default_factory=no_outcomes)
+    # Every prompt token of the admitted requests by its one outcome: a hit per tier or a miss
+    # with its cause (hicache.attribution.OUTCOMES); they sum to `input_tokens` (attribution on).
+    prompt_outcomes: dict[str, int] = field(default_factory=no_attribution)
 
     @property
     def hit_tokens(self) -> int:
