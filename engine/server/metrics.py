@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.attribution import MISS_CAUSES
 from hicache.stats import STORAGE_HIT_OUTCOMES
 
 PREFIX = "hicache:"
@@ -86,6 +87,15 @@ class _CacheCollector(Collector):
         outcomes: Mapping[str, Any] = s.get("storage_hit_outcomes") or {}
         for outcome in STORAGE_HIT_OUTCOMES:
             c.add_metric([outcome], float(outcomes.get(outcome, 0)))
+        yield c
+        c = CounterMetricFamily(
+            PREFIX + "miss_tokens",
+            "Prompt tokens no cache tier served, by cause (hicache.attribution.MISS_CAUSES).",
+            labels=["cause"],
+        )
+        attributed: Mapping[str, Any] = s.get("prompt_outcomes") or {}
+        for cause in MISS_CAUSES:
+            c.add_metric([cause], float(attributed.get(cause, 0)))
         yield c
         c = CounterMetricFamily(PREFIX + "backuped_tokens", "Tokens written to L3 storage.")
         c.add_metric([], float(s.get("storage_backup_pages", 0)) * page)
