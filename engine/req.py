@@ -34,6 +34,8 @@ class Req:
     node: TreeNode | None = None  # locked tree node (None: nothing locked)
     admission: Acquired | None = None  # the cache's answer at the latest admission
     cached_tokens: int = -1  # prompt tokens served by the cache at first admission
+    # Its prompt tokens by outcome at first admission (hicache.attribution), set when it ends.
+    cache_outcomes: dict[str, int] | None = None
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     text: str = ""  # the output text, cut at a stop string (set when the request finishes)

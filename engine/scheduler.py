@@ -30,6 +30,7 @@ from engine.batch_ops import forward_prefill, sample_reqs
 from engine.model_runner import ModelRunner
 from engine.req import FinishReason, Req
 from engine.sampling import Sampler
+from hicache.attribution import complete
 from hicache.prefix_cache import NoPrefixCache, PrefixCache
 from hicache.sync import SOLO, RankSync
 from hicache.transfer import merge_wait_layer
@@ -82,6 +83,8 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.finished_updates: list[Req] = []
         self._log = open(request_log, "a", encoding="utf-8") if request_log else None  # noqa: SIM115
+        # Prompt tokens by outcome at a request's first admission (hicache.attribution), by rid.
+        self.outcomes: dict[str, dict[str, int]] = {}
         # Totals over finished requests.
         self.num_finished = 0
         self.retracted_total = 0
@@ -281,6 +284,8 @@ class Scheduler:
                     break
                 assert req.admission is not None
                 self.cache.record_admission(req.admission, len(req.tokens))
+                if req.admission.outcomes is not None and req.rid not in self.outcomes:
+                    self.outcomes[req.rid] = complete(req.admission.outcomes, len(req.tokens))
                 self.waiting.remove(req)
                 batch.append((req, k))
                 budget -= k
@@ -456,6 +461,7 @@ class Scheduler:
             self._release_pages(req, n)
         self.num_finished += 1
         self.finished_updates.append(req)
+        req.cache_outcomes = self.outcomes.pop(req.rid, None)
         if self._log is not None and reason.get("type") != "abort":
             rec = {
                 "ts": req.arrival,
@@ -464,6 +470,7 @@ class Scheduler:
                 "output_ids": req.output,
                 "extra_key": req.extra_key,
                 "cached_tokens": max(req.cached_tokens, 0),
+                "cache_outcomes": req.cache_outcomes,  # hit tier / miss cause -> tokens, or None
             }
             self._log.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self._log.flush()

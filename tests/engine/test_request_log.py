@@ -56,13 +56,22 @@ def test_replay_reproduces_engine_counters(tiny_model: Path, tmp_path: Path, mod
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == stats["requests"] == sum(len(s.users) for s in sessions)
     first = lines[0]
-    assert set(first) == {"ts", "rid", "input_ids", "output_ids", "extra_key", "cached_tokens"}
+    assert set(first) == {"ts", "rid", "input_ids", "output_ids", "extra_key", "cached_tokens",
+                          "cache_outcomes"}
+    # Each request's attribution sums to its prompt; together they are the engine's counters.
+    total: dict[str, int] = {}
+    for x in lines:
+        assert sum(x["cache_outcomes"].values()) == len(x["input_ids"])
+        for k, v in x["cache_outcomes"].items():
+            total[k] = total.get(k, 0) + v
+    assert total == {k: v for k, v in stats["prompt_outcomes"].items() if v}
     assert isinstance(first["ts"], float) and first["extra_key"] is None
     sim_cfg = HiCacheConfig(**{**cfg.__dict__, "simulated": True, "storage_backend": None,
                                "storage_extra_config": {}})
     cached, sim_stats = _replay(log, sim_cfg, 256 // 4, host_pages, mode == "hierarchical")
     assert cached == [x["cached_tokens"] for x in lines]
     assert {k: sim_stats[k] for k in COUNTERS} == {k: stats[k] for k in COUNTERS}
+    assert sim_stats["prompt_outcomes"] == stats["prompt_outcomes"]  # predicted == measured
     assert stats["evicted_tokens"] > 0
     if mode == "hierarchical":
         assert stats["host_hit_tokens"] + stats["storage_hit_tokens"] > 0
