@@ -39,8 +39,10 @@ from hicache_client.remote.admin_protocol import (  # noqa: F401 - re-exported
     UnpinRequest,
 )
 from hicache_client.remote.wire import (  # noqa: F401 - re-exported: P.ErrorCode etc.
+    DEFAULT_LIMITS,
     Buffer,
     Codec,
+    DecodeLimits,
     ErrorCode,
     Message,
     ProtocolError,
@@ -413,7 +415,9 @@ def token_id(token: str) -> str:
 def request_proof(token: str, nonce: bytes, request_id: int, type_tag: str) -> str:
     """The `token` field of request `request_id` of type `type_tag` on a connection whose
     server nonce is `nonce`."""
-    mac = hmac.new(token.encode(), nonce + request_id.to_bytes(8, "little", signed=True)
+    # Two's complement in 8 bytes: the signed ids' bytes as before, and an id msgpack carries
+    # up to 2^64 - 1 (it overflowed a signed conversion: an internal error with id 0).
+    mac = hmac.new(token.encode(), nonce + (request_id % (1 << 64)).to_bytes(8, "little")
                    + type_tag.encode(), hashlib.sha256).hexdigest()
     return f"{PROOF_PREFIX}{token_id(token)}:{mac}"
 
@@ -518,10 +522,12 @@ def encode(msg: Message) -> list[Buffer]:
     return CODEC.encode(msg)
 
 
-def decode(frames: Sequence[Buffer], *, expect: str = "any") -> Message:
-    """One message from its frames (`expect`: "request", "reply" or "any"); raises
-    `ProtocolError`, never anything else, for frames that are not a valid message."""
-    msg: Message = CODEC.decode(frames, expect=expect)
+def decode(frames: Sequence[Buffer], *, expect: str = "any",
+           limits: DecodeLimits = DEFAULT_LIMITS) -> Message:
+    """One message from its frames (`expect`: "request", "reply" or "any"; `limits`: what its
+    header may hold); raises `ProtocolError`, never anything else, for frames that are not a
+    valid message."""
+    msg: Message = CODEC.decode(frames, expect=expect, limits=limits)
     return msg
 
 

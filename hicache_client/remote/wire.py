@@ -6,7 +6,10 @@ and back, checking everything a peer could get wrong:
     frame 0      msgpack map: {"v": version, "t": type tag, <the dataclass's header fields>}
     frame 1..n   payload frames (a field marked `frames_field()`), never embedded in msgpack
 
-`Codec.decode` checks the version (and that the type exists in it), the type tag, every field's
+`Codec.decode` bounds the header before it is built (`DecodeLimits`: its bytes, each string's
+and list's length, and for a request its shape: one map holding scalars and flat lists, which
+is all a request is; anything nested fails at the second container, before memory grows), then
+checks the version (and that the type exists in it), the type tag, every field's
 type, unknown fields and the payload frame count, then the message's own `check()`; anything
 else raises `ProtocolError` with a code the server sends back in an error reply.
 """
@@ -121,10 +124,63 @@ def _conforms(value: Any, tp: Any) -> bool:
     raise TypeError(f"protocol field type {tp!r} is not supported")  # a bug in the protocol
 
 
-def peek_request_id(header: Buffer) -> int:
-    """Best-effort request id of an undecodable message (0 when none can be read)."""
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one header may hold, checked while msgpack builds it (so before any token check):
+    `header_bytes` of frame 0, `items` in a list or map (a request's keys: --max-keys),
+    `str_bytes` in one string; a request is one map of scalars and at most `request_lists`
+    flat lists (an 8 MiB header of 8M empty maps cost 633 MiB before these limits)."""
+
+    header_bytes: int = 8 << 20
+    items: int = 1 << 16
+    str_bytes: int = 1 << 20
+    request_lists: int = 4
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+class _Shape:
+    """msgpack hooks that stop a request header at its first container past a request's
+    shape (called as each container completes, innermost first)."""
+
+    def __init__(self, lists: int) -> None:
+        self.maps = 0
+        self.lists = lists
+
+    def map_done(self, pairs: Any) -> dict[Any, Any]:
+        self.maps += 1
+        if self.maps > 1:
+            raise ValueError("a request header holds no nested map")
+        return dict(pairs)
+
+    def list_done(self, items: list[Any]) -> list[Any]:
+        self.lists -= 1
+        if self.lists < 0 or any(isinstance(v, list) for v in items):
+            raise ValueError("a request header holds only a few flat lists")
+        return items
+
+
+def unpack_header(header: Buffer, limits: DecodeLimits = DEFAULT_LIMITS,
+                  request: bool = False) -> Any:
+    """Frame 0 decoded under `limits` (raises ValueError or msgpack's errors)."""
+    if nbytes(header) > limits.header_bytes:
+        raise ValueError(f"header is {nbytes(header)} bytes; at most {limits.header_bytes}")
+    hooks: dict[str, Any] = {}
+    if request:
+        shape = _Shape(limits.request_lists)
+        hooks = {"object_pairs_hook": shape.map_done, "list_hook": shape.list_done}
+    return msgpack.unpackb(
+        header, raw=False, use_list=True, strict_map_key=True,
+        max_str_len=limits.str_bytes, max_bin_len=limits.str_bytes,
+        max_array_len=limits.items, max_map_len=limits.items, max_ext_len=0, **hooks)
+
+
+def peek_request_id(header: Buffer, limits: DecodeLimits = DEFAULT_LIMITS) -> int:
+    """Best-effort request id of an undecodable message (0 when none can be read); decoded
+    under the request limits, so a hostile header costs no more here than in `decode`."""
     try:
-        h = msgpack.unpackb(header, raw=False)
+        h = unpack_header(header, limits, request=True)
         rid = h.get("id", 0) if isinstance(h, dict) else 0
         return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
     except Exception:  # noqa: BLE001 - any garbage
@@ -170,8 +226,10 @@ class Codec:
             frames.extend(getattr(msg, schema.frames_field))
         return frames
 
-    def decode(self, frames: Sequence[Buffer], *, expect: str = "any") -> Any:
-        """Decode one message from its frames. `expect` is "request", "reply" or "any".
+    def decode(self, frames: Sequence[Buffer], *, expect: str = "any",
+               limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+        """Decode one message from its frames. `expect` is "request", "reply" or "any";
+        `limits` bound the header as it is decoded (a request's also by shape).
 
         Raises `ProtocolError` (never anything else) for any frame sequence that is not a valid
         message of the expected kind.
@@ -179,7 +237,7 @@ class Codec:
         if not frames:
             raise ProtocolError(ErrorCode.MALFORMED, "empty message")
         try:
-            header = msgpack.unpackb(frames[0], raw=False, use_list=True, strict_map_key=True)
+            header = unpack_header(frames[0], limits, request=expect == "request")
         except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
             raise ProtocolError(ErrorCode.MALFORMED, f"header is not msgpack ({e})") from None
         if not isinstance(header, dict):

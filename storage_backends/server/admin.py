@@ -242,6 +242,11 @@ class ReadLeases:
                 self.free(lease.slot)
 
 
+MAX_BOUND = 1 << 16  # connections whose bind_namespace is kept (as hello nonces)
+MAX_MISS_ROWS = 1024  # namespaces with a misses row; later ones count under OTHER
+OTHER = "other"
+
+
 @dataclass
 class NamespaceCounters:
     """Hits and misses per namespace (64-hex), and the namespace each connection declared."""
@@ -250,11 +255,21 @@ class NamespaceCounters:
     misses: dict[str, int] = field(default_factory=dict)
     bound: dict[bytes, str] = field(default_factory=dict)
 
+    def bind(self, ident: bytes, namespace: str) -> None:
+        """Connection `ident` declares its namespace; the oldest of more than `MAX_BOUND`
+        declarations is forgotten (a connection that went away never says so)."""
+        self.bound.pop(ident, None)
+        self.bound[ident] = namespace
+        while len(self.bound) > MAX_BOUND:
+            del self.bound[next(iter(self.bound))]
+
     def count(self, ident: bytes, hit_namespaces: Iterable[str], misses: int) -> None:
         for ns in hit_namespaces:
             self.hits[ns] = self.hits.get(ns, 0) + 1
         if misses:
             ns = self.bound.get(ident, UNBOUND)
+            if ns not in self.misses and len(self.misses) >= MAX_MISS_ROWS:
+                ns = OTHER  # a declared namespace is only a client's word: rows stay bounded
             self.misses[ns] = self.misses.get(ns, 0) + misses
 
     def forget(self, namespace: str | None = None) -> None:

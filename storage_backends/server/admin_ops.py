@@ -23,7 +23,7 @@ def execute(server: Any, req: P.Request, ident: bytes) -> P.Reply | None:
         return P.ShmReleaseReply(request_id=rid,
                                  released=tiers.store.release(ident, req.offsets))
     if isinstance(req, P.BindNamespaceRequest):
-        tiers.namespaces.bound[ident] = req.namespace
+        tiers.namespaces.bind(ident, req.namespace)
         return P.BindNamespaceReply(request_id=rid)
     if isinstance(req, P.AdminLookupRequest):
         count, in_memory, pinned = tiers.admin_lookup(req.keys)

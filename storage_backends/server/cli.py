@@ -16,6 +16,7 @@ DEFAULT_MAX_FRAME = 64 << 20
 DEFAULT_REPLY_BUDGET = 1 << 30
 DEFAULT_CLIENT_REPLY_BUDGET = 64 << 20
 DEFAULT_SHM_MAX = 2 << 30
+DEFAULT_MAX_HEADER = 8 << 20
 
 
 # Arena room beyond the capacity for records being written: each client connection holds the
@@ -38,6 +39,7 @@ class ServerConfig:
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     max_keys: int = 65536
+    max_header_bytes: int = DEFAULT_MAX_HEADER  # frame 0 (msgpack), cut to max_frame_bytes
     metrics_port: int | None = None
     io_threads: int = 2
     reply_budget_bytes: int = DEFAULT_REPLY_BUDGET
@@ -68,6 +70,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
     """Parse and check the command line: the config and the log level."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_args(parser, args)
     if args.client_reply_budget < args.max_frame_bytes:
         parser.error("--client-reply-budget must be at least --max-frame-bytes (one page)")
     if args.reply_budget < args.client_reply_budget:
@@ -112,6 +115,7 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
         auth_token=token,
         max_frame_bytes=args.max_frame_bytes,
         max_keys=args.max_keys,
+        max_header_bytes=args.max_header_bytes,
         metrics_port=args.metrics_port,
         io_threads=args.io_threads,
         reply_budget_bytes=args.reply_budget,
@@ -127,6 +131,37 @@ def config_from_args(argv: list[str] | None) -> tuple[ServerConfig, str]:
     )
     return config, args.log_level
 
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One-line errors (exit 2) for values argparse's types let through."""
+    import ipaddress
+    import socket
+
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            parser.error(f"{flag} {value}: a TCP port is 0 to 65535")
+    for flag, value in (("--io-threads", args.io_threads), ("--persist-queue", args.persist_queue),
+                        ("--max-frame-bytes", args.max_frame_bytes),
+                        ("--max-header-bytes", args.max_header_bytes),
+                        ("--max-keys", args.max_keys)):
+        if value <= 0:
+            parser.error(f"{flag} {value}: must be > 0")
+    if args.persist_block_ms < 0:
+        parser.error(f"--persist-block-ms {args.persist_block_ms}: must be >= 0")
+    if args.io_threads > 256:
+        parser.error(f"--io-threads {args.io_threads}: at most 256")
+    if args.persist_dir is not None and os.path.exists(args.persist_dir) \
+            and not os.path.isdir(args.persist_dir):
+        parser.error(f"--persist-dir {args.persist_dir}: exists and is not a directory")
+    host = args.host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if host != "*":
+            try:
+                socket.getaddrinfo(host, None)
+            except (OSError, UnicodeError):
+                parser.error(f"--host {host}: not an address or a name this host resolves")
 
 
 def parse_size(text: str) -> int:
@@ -253,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_MAX_FRAME),
         help="largest frame (one page record or a request header) accepted; larger ones get a "
         "too_large error reply (default 64MiB)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=_size,
+        default=str(DEFAULT_MAX_HEADER),
+        help="largest request header (frame 0, msgpack); decoded before any token check, with "
+        "each list at most --max-keys long and only a request's flat shape accepted "
+        "(default 8MiB; never more than --max-frame-bytes)",
     )
     p.add_argument(
         "--max-keys",

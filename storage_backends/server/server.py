@@ -88,6 +88,10 @@ class HiCacheServer:
         self._sessions: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._auth_off = self._token is None and self.tenants is None
         self._stop = threading.Event()
+        # Frame 0 is decoded under these before any token check (docs/security.md, "Limits").
+        self.limits = P.DecodeLimits(
+            header_bytes=min(config.max_frame_bytes, config.max_header_bytes),
+            items=config.max_keys)
         self._ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -298,7 +302,7 @@ class HiCacheServer:
         self.counters["requests"] += 0 if again else 1
         try:
             self._check_frames(frames)
-            req = P.decode(frames, expect="request")
+            req = P.decode(frames, expect="request", limits=self.limits)
             assert isinstance(req, P.Request)
             tenant = self._check_auth(req, self._token_of(req, ident, again))
             if tenant is not None:
@@ -308,8 +312,8 @@ class HiCacheServer:
         except P.ProtocolError as e:
             return self._error(e.code, e.message, e.request_id)
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the server
-            logger.exception("request failed")
-            return self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
+            rid = P.peek_request_id(frames[0], self.limits) if frames else 0
+            return self._internal(e, rid)
 
     def _run(self, req: P.Request | P.ErrorReply, t0: float, ident: bytes) -> P.Reply:
         op = "invalid"
@@ -322,11 +326,18 @@ class HiCacheServer:
             except P.ProtocolError as e:
                 reply = self._error(e.code, e.message, e.request_id)
             except Exception as e:  # noqa: BLE001 - a bad request must never stop the server
-                logger.exception("request failed")
-                reply = self._error(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", 0)
+                reply = self._internal(e, req.request_id)
         if self.metrics is not None:
             self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
         return reply
+
+    def _internal(self, e: Exception, rid: int) -> P.ErrorReply:
+        """The reply to a request the server failed on: its request id echoed, one log line
+        (a traceback only at DEBUG: a client must not be able to flood the log)."""
+        text = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        logger.error("request %d failed: %s", rid, text, exc_info=logger.isEnabledFor(
+            logging.DEBUG))
+        return self._error(P.ErrorCode.INTERNAL, text, rid)
 
     def _page_bytes(self, counter: str, n: int) -> None:
         self.counters[counter] += n
@@ -347,12 +358,12 @@ class HiCacheServer:
             raise P.ProtocolError(
                 P.ErrorCode.TOO_LARGE,
                 f"{len(frames)} frames in one message; at most {self.config.max_keys + 1}",
-                P.peek_request_id(frames[0]),
+                P.peek_request_id(frames[0], self.limits),
             )
         for i, f in enumerate(frames):
             n = len(f)
             if n > limit:
-                rid = P.peek_request_id(frames[0]) if i > 0 else 0
+                rid = P.peek_request_id(frames[0], self.limits) if i > 0 else 0
                 raise P.ProtocolError(
                     P.ErrorCode.TOO_LARGE,
                     f"frame {i} is {n} bytes; --max-frame-bytes is {limit}",
@@ -678,7 +689,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     tune_malloc()
-    server = HiCacheServer(config)
+    try:
+        server = HiCacheServer(config)
+    except (ValueError, OSError, zmq.ZMQError) as e:  # a bad file or address: one line, exit 2
+        import sys
+
+        text = " ".join(str(e).split())[:500]
+        print(f"hicache-server: error: {text}", file=sys.stderr)
+        return 2
 
     def _on_signal(signum: int, _frame: object) -> None:
         logger.info("received %s", signal.Signals(signum).name)

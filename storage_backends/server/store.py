@@ -400,9 +400,14 @@ class WriteBehind:
 
         if max_pending < 1:
             raise ValueError(f"persist queue must hold at least 1 page, got {max_pending}")
+        # Pages and pins.json are the tenants' data: private to the server's user (files made
+        # 0600 and folders 0700 through the umask, and the top folder closed to others, so
+        # files an older server left 0644 are out of reach too).
+        os.umask(os.umask(0o077) | 0o077)
         self.backend = FileBackend(
             StorageConfig(extra={"path": path, "capacity_bytes": capacity_bytes})
         )
+        os.chmod(path, 0o700)
         self.max_pending = max_pending
         self.batch_pages = batch_pages
         self._pending: OrderedDict[str, HeapValue] = OrderedDict()

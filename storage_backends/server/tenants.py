@@ -107,14 +107,26 @@ def _load_raw(path: Path) -> dict[str, Any]:
         text = path.read_bytes()
     except OSError as e:
         raise TenantsError(f"tenants file {path}: {e.strerror or e}") from None
+    kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
+        if kind == "JSON":
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             import tomllib
 
             data = tomllib.loads(text.decode())
-    except (ValueError, UnicodeDecodeError) as e:
+        _check_strings(data, 0)
+    except _DuplicateKey as e:
+        raise TenantsError(f"tenants file {path}: key {e.args[0]!r} is named twice in one "
+                           "table") from None
+    except RecursionError:
+        raise TenantsError(f"tenants file {path}: nested too deeply") from None
+    except TenantsError as e:
+        raise TenantsError(f"tenants file {path}: {e}") from None
+    except UnicodeEncodeError:
+        raise TenantsError(f"tenants file {path}: a string is not UTF-8 (a lone surrogate)") \
+            from None
+    except (ValueError, UnicodeError) as e:
         # NOTE: the parser's message may quote the line, which may hold a token: only its
         # position is reported.
         where = getattr(e, "lineno", None)
@@ -123,6 +135,40 @@ def _load_raw(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise TenantsError(f"tenants file {path}: the top level must be a table")
     return data
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice (TOML refuses that itself; JSON's
+    decoder would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k[:64].encode("utf-8", "replace").decode())
+        out[k] = v
+    return out
+
+
+_MAX_DEPTH = 8  # [tenants.<name>] tokens = [{token, rights = [...]}]: 5 levels at most
+
+
+def _check_strings(value: Any, depth: int) -> None:
+    """Refuse what no tenants file holds and later code would trip on: nesting past
+    `_MAX_DEPTH`, strings that are not UTF-8 (a lone surrogate, "\\ud800" in JSON)."""
+    if depth > _MAX_DEPTH:
+        raise TenantsError("nested too deeply")
+    if isinstance(value, str):
+        value.encode()  # UnicodeEncodeError for a lone surrogate
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, depth + 1)
+            _check_strings(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v, depth + 1)
 
 
 def _rights(value: Any, where: str) -> frozenset[str]:
@@ -239,7 +285,7 @@ class Tenants:
         error the table stays as it was. (ok, a one-line summary or the error)."""
         try:
             table, secrets = self._read()
-        except TenantsError as e:
+        except Exception as e:  # noqa: BLE001 - any bad file keeps the previous table
             self.reload_failures += 1
             logger.error("tenants file not reloaded, the previous tenants stay: %s", e)
             return False, str(e)

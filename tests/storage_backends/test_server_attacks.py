@@ -1,0 +1,256 @@
+"""Attacks on `hicache-server` from the audit of issue 46, each kept fixed by a test that
+makes it the way the audit did (in-process servers on a loopback port the OS picks, their
+`handle()` fed the attacker's frames; the command line through `main` / `config_from_args`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_client.remote import protocol as P
+from storage_backends.server.admin import MAX_MISS_ROWS, OTHER, NamespaceCounters
+from storage_backends.server.cli import ServerConfig, config_from_args
+from storage_backends.server.server import HiCacheServer, main
+from storage_backends.server.tenants import Tenants, TenantsError
+from tests.storage_backends.hicache_server_proc import codec, page_key, page_record
+
+TOKEN = "attack-data-token-0001"
+ADMIN = "attack-admin-token-0001"
+TENANTS = '[tenants.a]\ntokens = ["tenant-a-token-00001"]\n'
+
+
+@contextlib.contextmanager
+def server(**kw: Any) -> Iterator[HiCacheServer]:
+    srv = HiCacheServer(ServerConfig(port=0, capacity_bytes=64 << 20, shm_max_bytes=0, **kw))
+    try:
+        yield srv
+    finally:
+        srv._shutdown()
+
+
+def header(**fields: Any) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+# -- 1: memory exhaustion before any token check ----------------------------------------------
+
+
+def _peak_decoding(srv: HiCacheServer, frames: list[bytes]) -> tuple[P.Message, int]:
+    tracemalloc.start()
+    try:
+        reply = srv.handle(frames, b"attacker")
+        return reply, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_header_of_a_million_empty_maps_is_refused_before_it_is_built() -> None:
+    n = 1 << 20  # 1 MiB of header: ~80 MiB of dicts when decoded whole (633 MiB at 8 MiB)
+    bomb = b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    with server(auth_token=TOKEN) as srv:
+        reply, peak = _peak_decoding(srv, [bomb])
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.MALFORMED
+        assert peak < 8 << 20, peak
+        # The same inside a request's map (where the type checks would have run later).
+        nested = header(v=1, t="get", id=5, auth="", keys=[{}] * 4096)
+        reply, peak = _peak_decoding(srv, [nested])
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.MALFORMED
+        assert peak < 8 << 20, peak
+
+
+def test_header_bytes_and_list_lengths_are_capped() -> None:
+    with server(auth_token=TOKEN, max_keys=100, max_header_bytes=4096) as srv:
+        big = header(v=1, t="get", id=3, auth=TOKEN, keys=["k" * 100] * 50)
+        reply = srv.handle([big])
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.MALFORMED
+        assert "at most 4096" in reply.message
+        many = header(v=1, t="exists", id=4, auth=TOKEN, keys=["k"] * 101)
+        reply = srv.handle([many])
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.MALFORMED
+        fine = srv.handle([header(v=1, t="exists", id=6, auth=TOKEN, keys=["k"] * 100)])
+        assert isinstance(fine, P.ExistsReply) and fine.request_id == 6
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(
+    st.binary(max_size=256),
+    st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8)
+                 | st.binary(max_size=8),
+                 lambda inner: st.lists(inner, max_size=4)
+                 | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+                 max_leaves=16).map(lambda v: msgpack.packb(v, use_bin_type=True)),
+    st.fixed_dictionaries({"v": st.integers(0, 8), "t": st.sampled_from(sorted(P.SCHEMAS)),
+                           "id": st.integers(-2**63, 2**64 - 1),
+                           "keys": st.lists(st.text(max_size=4) | st.integers(), max_size=3)})
+    .map(lambda v: msgpack.packb(v, use_bin_type=True)),
+), st.lists(st.binary(max_size=16), max_size=2))
+def test_fuzz_the_wire_decoder_raises_only_protocol_errors(head: bytes,
+                                                          payload: list[bytes]) -> None:
+    for expect in ("request", "reply"):
+        with contextlib.suppress(P.ProtocolError):
+            P.decode([head, *payload], expect=expect)
+
+
+# -- 11: the request id on every error, one log line ------------------------------------------
+
+
+def test_a_token_proof_with_the_largest_request_id_is_answered_with_that_id(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rid = 2**64 - 1
+    with server(auth_token=TOKEN) as srv:
+        hello = srv.handle(P.encode(P.HelloRequest(request_id=1, token_id=P.token_id(TOKEN),
+                                                   client_nonce="ab" * 16)), b"c")
+        assert isinstance(hello, P.HelloReply)
+        proof = P.request_proof(TOKEN, bytes.fromhex(hello.nonce), rid, "exists")
+        reply = srv.handle(P.encode(P.ExistsRequest(request_id=rid, token=proof, keys=["k"])),
+                           b"c")
+        assert isinstance(reply, P.ExistsReply) and reply.request_id == rid
+        # An internal failure echoes the id and logs one line, no traceback.
+        srv.tiers.exists = None  # type: ignore[assignment, method-assign]
+        reply = srv.handle(P.encode(P.ExistsRequest(request_id=77, token=TOKEN, keys=["k"])))
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.INTERNAL
+        assert reply.request_id == 77
+        failed = [r for r in caplog.records if "request 77 failed" in r.getMessage()]
+        assert len(failed) == 1 and not failed[0].exc_info
+
+
+# -- 5, 13: tenants files, at start-up and on reload -------------------------------------------
+
+BAD_TENANTS = [
+    ("t.json", '{"tenants": {"a": {"tokens": ["tenant-a-token-00001"]}, '
+               '"a": {"tokens": ["tenant-b-token-00001"]}}}', "named twice"),
+    ("t.json", '{"tenants": {"a": {"tokens": ["\\ud800tenant-a-token-0001"]}}}', "not UTF-8"),
+    ("t.json", '{"tenants": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ("t.json", '{"tenants": {"a": {"tokens": ' + "[" * 50 + "]" * 50 + "}}}",
+     "nested too deeply"),
+    ("t.toml", "[tenants.a]\ntokens = " + "[" * 50_000 + "]" * 50_000 + "\n",
+     "nested too deeply"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "problem"), BAD_TENANTS)
+def test_bad_tenants_files_are_one_line_errors(tmp_path: Path, name: str, text: str,
+                                               problem: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    path.chmod(0o600)
+    with pytest.raises(TenantsError, match=problem):
+        Tenants(path)
+    assert main(["--port", "0", "--no-shm", "--tenants-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hicache-server: error: tenants file") and "\n" not in err
+
+
+@pytest.mark.parametrize(("name", "text", "problem"), BAD_TENANTS[:3])
+def test_a_bad_tenants_file_on_reload_keeps_the_table_and_the_request_id(
+        tmp_path: Path, name: str, text: str, problem: str) -> None:
+    path = tmp_path / name
+    path.write_text(TENANTS if name.endswith(".toml") else json.dumps(
+        {"tenants": {"a": {"tokens": ["tenant-a-token-00001"]}}}))
+    path.chmod(0o600)
+    with server(tenants_file=str(path), admin_token=ADMIN) as srv:
+        assert srv.tenants is not None
+        before = dict(srv.tenants.table)
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        srv.ask_reload()  # what SIGHUP does: the loop reloads before the next request
+        assert srv.reload_tenants()[0] is False
+        reply = srv.handle(P.encode(P.ReloadTenantsRequest(request_id=41, token=ADMIN)))
+        assert isinstance(reply, P.ErrorReply) and reply.request_id == 41
+        assert problem in reply.message
+        assert srv.tenants.table == before and srv.tenants.reload_failures == 2
+
+
+# -- 12: bad command lines: one line, exit 2 ---------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["--port", "99999"], ["--port", "-1"], ["--metrics-port", "99999"], ["--io-threads", "0"],
+    ["--persist-queue", "0"], ["--max-frame-bytes", "0"], ["--max-keys", "-1"],
+    ["--max-header-bytes", "0"], ["--host", "256.1.1.1"],
+])
+def test_bad_arguments_exit_2_with_one_line(argv: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        config_from_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hicache-server: error: ") and argv[0] in err[-1]
+
+
+def test_a_persist_dir_naming_a_file_exits_2(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        config_from_args(["--persist-dir", str(f)])
+    assert e.value.code == 2
+    assert main(["--port", "0", "--no-shm", "--persist-dir", str(f / "under")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("hicache-server: error:")
+
+
+# -- 8: private persistence --------------------------------------------------------------------
+
+
+def test_persisted_pages_and_pins_are_private(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        persist = tmp_path / "persist"
+        with server(persist_dir=str(persist), admin_token=ADMIN) as srv:
+            key, record = page_key("ns", 0), page_record(codec(), "ns", 0)
+            reply = srv.handle(P.encode(P.SetRequest(request_id=1, keys=[key],
+                                                     frames=[bytes(record)])))
+            assert isinstance(reply, P.SetReply) and reply.stored == [True]
+            assert isinstance(srv.handle(P.encode(P.PinRequest(
+                request_id=2, token=ADMIN, keys=[key], ttl_ms=60_000))), P.PinReply)
+        found = [persist, *persist.rglob("*")]
+        assert any(p.is_file() and p.suffix != ".json" for p in found)
+        assert any(p.name == "pins.json" for p in found)
+        for p in found:
+            mode = stat.S_IMODE(p.stat().st_mode)
+            assert mode & 0o077 == 0, (p, oct(mode))
+    finally:
+        os.umask(umask)
+
+
+# -- 10: bounded stats rows --------------------------------------------------------------------
+
+
+def test_bind_namespace_misses_do_not_grow_the_stats_rows() -> None:
+    with server(admin_token=ADMIN) as srv:
+        for i in range(3 * MAX_MISS_ROWS):
+            ns = f"{i:064x}"
+            ident = f"conn-{i}".encode()
+            assert isinstance(srv.handle(P.encode(P.BindNamespaceRequest(
+                request_id=1, namespace=ns)), ident), P.BindNamespaceReply)
+            srv.handle(P.encode(P.GetRequest(request_id=2, keys=[f"{i:064x}"])), ident)
+        rows = srv.tiers.namespaces.misses
+        assert len(rows) == MAX_MISS_ROWS + 1 and rows[OTHER] == 2 * MAX_MISS_ROWS
+
+
+def test_bindings_are_bounded() -> None:
+    counters = NamespaceCounters()
+    from storage_backends.server import admin
+
+    for i in range(admin.MAX_BOUND + 10):
+        counters.bind(i.to_bytes(4, "big"), "a" * 64)
+    assert len(counters.bound) == admin.MAX_BOUND
+    assert (0).to_bytes(4, "big") not in counters.bound
+
+
+def test_json_tenants_file_of_a_good_table_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tenants": {"a": {"tokens": ["tenant-a-token-00001"]}}}))
+    path.chmod(0o600)
+    assert Tenants(path).names() == ["a"]
