@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hicache.admission import make_admission
 from hicache.config import (
     DEFAULT_PAGE_SIZE,
     HOST_MEMORY_MODES,
@@ -126,6 +127,13 @@ class EngineArgs:
     # wait for the prefetch at most prefetch_timeout_base + prefetch_timeout_per_ki_token x
     # tokens / 1024 seconds, both settable in the extra config).
     hicache_storage_prefetch_policy: str = "timeout"
+    # Which backed-up pages are written to L3: always, reuse:N (once hit N times on device/host)
+    # or frequency[:HALF_LIFE] (a count doubled on each use, halved every HALF_LIFE requests;
+    # written at 2). See docs/retention.md.
+    hicache_storage_admission: str = "always"
+    # The longest soft pin a request's retention_seconds may ask for (longer is cut to it);
+    # 0: retention hints are ignored.
+    max_retention_seconds: float = 3600.0
     # Run cache transfers inline instead of on background threads (deterministic, slower).
     hicache_synchronous: bool = False
     # Seed of sampling for requests without their own seed.
@@ -218,6 +226,8 @@ class EngineArgs:
             f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}; "
             f"known: {', '.join(PREFETCH_POLICIES)}",
         )
+        check(self.max_retention_seconds >= 0, "max_retention_seconds must be >= 0")
+        make_admission(self.hicache_storage_admission)  # a bad spec fails at start-up
         check(self.hicache_ratio > 0, f"hicache_ratio must be > 0, got {self.hicache_ratio}")
         check(self.hicache_size >= 0, f"hicache_size must be >= 0, got {self.hicache_size}")
         check(
@@ -265,6 +275,8 @@ class EngineArgs:
             storage_backend=self.hicache_storage_backend if hierarchical else None,
             storage_extra_config=self.storage_extra_config(),
             prefetch_policy=self.hicache_storage_prefetch_policy,
+            storage_admission=self.hicache_storage_admission,
+            max_retention_seconds=self.max_retention_seconds,
             eviction_policy=self.radix_eviction_policy,
             eviction_config=_json_obj(
                 self.radix_eviction_policy_config, "radix_eviction_policy_config"

@@ -33,6 +33,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from engine.tp import RankFailure, RankProcesses, collective, free_port
+from hicache.admission import CacheHints
 from hicache.calibration import PROBE_BYTES, calibrate_transfers
 from hicache.hiradix import HiRadixCache
 from hicache.pools import dtype_name
@@ -298,15 +299,19 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        cache_hints: CacheHints | Mapping[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises `ValueError` for an empty prompt, one longer
         than the context or than the whole device pool (it could never be served), a token id
         of `logit_bias` / `stop_token_ids` outside the vocabulary, or a structured-output spec
         that does not compile. `return_logprob`: logprobs of the output tokens (and of the
         prompt from token `logprob_start_len` on, -1: none) with `top_logprobs_num`
-        alternatives each, in the updates of `step()` (engine.req_logprobs)."""
+        alternatives each, in the updates of `step()` (engine.req_logprobs). `cache_hints`:
+        `{"skip_cache_write", "retention_seconds", "priority"}` (hicache.admission.CacheHints;
+        a wrong type raises `TypeError` naming the field)."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
+        hints = CacheHints.from_any(cache_hints).as_dict()
         params = SamplingParams.from_any(sampling_params)
         if input_ids is None:
             if prompt is None:
@@ -340,7 +345,7 @@ class Engine:
             self._matchers[rid] = self._grammars().matcher(*params.grammar)
         logprobs = (top_logprobs_num, logprob_start_len) if return_logprob else None
         try:
-            self._enqueue(rid, ids, params, extra_key, logprobs, time.time())
+            self._enqueue(rid, ids, params, extra_key, logprobs, time.time(), hints)
         finally:
             self._matchers.pop(rid, None)
         return rid
@@ -348,10 +353,11 @@ class Engine:
     @collective
     def _enqueue(
         self, rid: str, ids: list[int], params: SamplingParams, extra_key: str | None,
-        logprobs: tuple[int, int] | None, arrival: float,
+        logprobs: tuple[int, int] | None, arrival: float, hints: dict[str, Any] | None = None,
     ) -> None:
         """Queue a request `add_request` checked (on every rank of a TP group)."""
-        req = Req(rid=rid, prompt=ids, params=params, extra_key=extra_key, arrival=arrival)
+        req = Req(rid=rid, prompt=ids, params=params, extra_key=extra_key, arrival=arrival,
+                  cache_hints=CacheHints.from_any(hints))
         if logprobs is not None:
             req.logprobs = ReqLogprobs.make(logprobs[0], logprobs[1], len(ids))
         if params.grammar is not None:
@@ -442,10 +448,11 @@ class Engine:
         sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         extra_key: str | Sequence[str | None] | None = None,
+        cache_hints: CacheHints | Mapping[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """Run prompts (text or token ids) to completion, batched; results in input order:
         `{"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens, cached_tokens,
-        finish_reason, ...}}`."""
+        finish_reason, ...}}`. `cache_hints`: as `add_request`'s, for every prompt."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("give exactly one of prompts and input_ids")
         items: list[tuple[str | None, list[int] | None]]
@@ -472,7 +479,8 @@ class Engine:
         rids: list[str] = []
         try:
             for (text, ids), sp, ek in zip(items, plist_sp, keys):
-                rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek))
+                rids.append(self.add_request(text, sp, input_ids=ids, extra_key=ek,
+                                             cache_hints=cache_hints))
         except Exception:
             self._forget(rids)  # all or nothing: do not leave half a batch queued
             raise

@@ -11,6 +11,7 @@ import torch
 from engine.detokenizer import TextStream
 from engine.req_logprobs import ReqLogprobs
 from engine.sampling import SamplingParams
+from hicache.admission import NO_HINTS, CacheHints
 from hicache.prefix_cache import Acquired
 from hicache.radix import TreeNode
 
@@ -26,6 +27,7 @@ class Req:
     prompt: list[int]
     params: SamplingParams
     extra_key: str | None = None
+    cache_hints: CacheHints = NO_HINTS  # skip_cache_write, retention_seconds, priority
     arrival: float = field(default_factory=time.time)
     output: list[int] = field(default_factory=list)
     kv_len: int = 0  # leading tokens whose K/V is in `pages`

@@ -326,8 +326,10 @@ class Scheduler:
         full = req.kv_len // self.page_size
         if full <= req.tree_pages:
             return
+        h = req.cache_hints
         res = self.cache.insert(
-            req.tokens[: full * self.page_size], req.pages[:full], extra_key=req.extra_key
+            req.tokens[: full * self.page_size], req.pages[:full], extra_key=req.extra_key,
+            priority=h.priority, skip_write=h.skip_cache_write,
         )
         self.cache.lock(res.node)
         if req.node is not None:
@@ -404,7 +406,10 @@ class Scheduler:
         ps = self.page_size
         full = min(n_tokens, req.kv_len) // ps
         if full > 0:
-            self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key)
+            h = req.cache_hints  # the soft pin is taken once, when the request finishes
+            self.cache.insert(req.tokens[: full * ps], req.pages[:full], extra_key=req.extra_key,
+                              priority=h.priority, skip_write=h.skip_cache_write,
+                              retention_s=h.retention_seconds if req.finished else 0.0)
         own = req.pages[max(full, req.tree_pages) :]
         req.settle_load()
         if own:
@@ -471,6 +476,7 @@ class Scheduler:
                 "extra_key": req.extra_key,
                 "cached_tokens": max(req.cached_tokens, 0),
                 "cache_outcomes": req.cache_outcomes,  # hit tier / miss cause -> tokens, or None
+                **req.cache_hints.as_dict(),  # hicache-hitrate replays the hints
             }
             self._log.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self._log.flush()

@@ -89,6 +89,7 @@ class Generation:
     t_last: float | None = None
     first: Any = None
     logprobs: dict[str, int] | None = None  # GenerateReq.logprobs (engine.server.openai_params)
+    cache_hints: dict[str, Any] | None = None  # GenerateReq.cache_hints (schemas.cache_hints)
     track: LogprobTrack = field(default_factory=LogprobTrack)
 
     def __post_init__(self) -> None:
@@ -102,7 +103,8 @@ class Generation:
         try:
             await client.send(P.GenerateReq(rid=self.rid, input_ids=self.input_ids,
                                             sampling_params=self.params,
-                                            extra_key=self.extra_key, logprobs=self.logprobs))
+                                            extra_key=self.extra_key, logprobs=self.logprobs,
+                                            cache_hints=self.cache_hints))
             self.first = await self.queue.get()
         except BaseException:
             self.abort()
@@ -210,13 +212,13 @@ async def start_all(gens: list[Generation]) -> None:
         raise errors[0]
 
 
-async def prefill_prompts(state: ServerState, prompts: list[tuple[list[int], str | None]]) -> \
-        list[int]:
+async def prefill_prompts(state: ServerState, prompts: list[tuple[list[int], str | None]],
+                          cache_hints: dict[str, Any] | None = None) -> list[int]:
     """Compute each prompt once (a request with max_new_tokens=0, as SGLang's parallel sampling
     does), so that the n samples sent next find its pages in the radix tree instead of each
     computing it. Returns the tokens of each prompt that were already cached."""
-    gens = [Generation(state, ids, {"max_new_tokens": 0}, key, metered=False)
-            for ids, key in prompts]
+    gens = [Generation(state, ids, {"max_new_tokens": 0}, key, metered=False,
+                       cache_hints=cache_hints) for ids, key in prompts]
     await start_all(gens)
     tasks = [asyncio.ensure_future(g.result()) for g in gens]
     try:

@@ -40,6 +40,17 @@ CACHE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("corrupt_pages", "corrupt_pages", "L3 records that failed validation on read."),
     ("storage_probed_tokens", "storage_probed_tokens",
      "Prompt tokens L3 held when requests' prefetches asked (each comes to one outcome)."),
+    ("storage_declined_pages", "storage_declined_pages",
+     "Backed-up pages L3 admission kept out of L3 (--hicache-storage-admission)."),
+    ("storage_declined_rehit_pages", "storage_declined_rehit_pages",
+     "Pages recomputed while in the sketch of declined pages: hits L3 would have served."),
+    ("skip_write_pages", "skip_write_pages",
+     "New pages of skip_cache_write requests (kept on the device only)."),
+    ("retention_requests", "retention_requests", "Requests whose retention_seconds soft-pinned "
+     "their prefix."),
+    ("retention_clamped", "retention_clamped",
+     "Retention requests cut to --max-retention-seconds."),
+    ("retention_expired", "retention_expired", "Soft pins (tree nodes) that ran out."),
 )
 # (gauge name, usage key, help) for pool occupancy.
 USAGE_GAUGES: tuple[tuple[str, str, str], ...] = (

@@ -30,6 +30,7 @@ from engine.server.schemas import (
     GenerateSampling,
     StorageBody,
     bad,
+    cache_hints,
     cache_key,
 )
 from engine.server.state import MAX_BODY_BYTES, ServerState
@@ -104,15 +105,17 @@ def register(app: FastAPI, state: ServerState) -> None:
                 for k in _per_prompt(body.extra_key, len(prepared), "extra_key")]
         rids = _per_prompt(body.rid, len(prepared), "rid")
         cached: list[int] | None = None
+        hints = cache_hints(body)
         if n > 1:
             cached = await prefill_prompts(state, [(ids, keys[i])
-                                                   for i, (ids, _) in enumerate(prepared)])
+                                                   for i, (ids, _) in enumerate(prepared)], hints)
         gens: list[Generation] = []
         for i, (ids, params) in enumerate(prepared):
             gens += state.samples(ids, params, keys[i], n, i * n, client_rid=rids[i])
         lp_spec = OP.generate_logprobs(body)
         for g in gens:
             g.logprobs = lp_spec
+            g.cache_hints = hints
         await start_all(gens)
         many = len(gens) > 1
 

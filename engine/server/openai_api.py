@@ -36,6 +36,7 @@ from engine.server.schemas import (
     ChatMessage,
     CompletionBody,
     bad,
+    cache_hints,
     cache_key,
 )
 from engine.server.state import ServerState
@@ -165,17 +166,19 @@ def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
 
 
 async def _launch(state: ServerState, prepared: Prepared, n: int, salt: str | None,
-                  logprobs: OP.LogprobSpec | None = None) -> tuple[list[Generation], list[int]]:
+                  logprobs: OP.LogprobSpec | None = None,
+                  hints: dict[str, Any] | None = None) -> tuple[list[Generation], list[int]]:
     """Start n generations per prompt (after computing each prompt once when n > 1). Returns
     them and, per prompt, the tokens that were cached before this request."""
     cached: list[int] | None = None
     if n > 1:
-        cached = await prefill_prompts(state, [(ids, salt) for ids, _ in prepared])
+        cached = await prefill_prompts(state, [(ids, salt) for ids, _ in prepared], hints)
     gens: list[Generation] = []
     for i, (ids, params) in enumerate(prepared):
         gens += state.samples(ids, params, salt, n, i * n)
     for g in gens:
         g.logprobs = logprobs
+        g.cache_hints = hints
     await start_all(gens)
     return gens, cached if cached is not None else [-1] * len(prepared)
 
@@ -267,7 +270,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         prepared, echoes = got
         n = body.n
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
-                                     OP.completion_logprobs(body))
+                                     OP.completion_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "cmpl", gens), int(time.time())
         tok_text = token_text(body)
 
@@ -326,7 +329,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert prepared is not None
         n = body.n
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
-                                     OP.chat_logprobs(body))
+                                     OP.chat_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "chatcmpl", gens), int(time.time())
         tok_text = token_text(body)
         role, echo = _chat_echo(body)

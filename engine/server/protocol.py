@@ -33,6 +33,8 @@ class GenerateReq:
     # Logprobs asked for: {"top_logprobs_num": k, "logprob_start_len": s} (Engine.add_request's
     # arguments; engine.req_logprobs), or None.
     logprobs: dict[str, int] | None = None
+    # The request's cache hints (hicache.admission.CacheHints.as_dict()), or None.
+    cache_hints: dict[str, Any] | None = None
 
 
 @dataclass

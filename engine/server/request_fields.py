@@ -194,6 +194,12 @@ _HONOURED: list[Row] = [
     # --- the cache ---
     H("extra_key", ALL, "the cache namespace (a list: one per prompt, as rid)"),
     H("cache_salt", ALL, "the cache namespace (a tenant salt)"),
+    H("skip_cache_write", ALL, "the request's new pages stay on the device (never host or L3) "
+      "and are evicted first"),
+    H("retention_seconds", ALL, "a soft pin of the request's prefix for this long (at most "
+      "--max-retention-seconds)"),
+    H("priority", ALL, "the cache priority of the request's pages (the priority eviction "
+      "policy evicts lower first; not a scheduling order)"),
     # --- chat messages ---
     H("role", (MESSAGE,), "the speaker"),
     H("content", (MESSAGE,), "text, or text parts"),
@@ -304,7 +310,6 @@ _DEFAULT_ONLY: list[Row] = [
     R("multi_item_delimiter_indices", (GENERATE,), empty, "multi-item scoring"),
     R("token_indices_to_pool", (GENERATE,), empty, "pooled readouts"),
     # --- scheduling, disaggregation and data-parallel routing (one rank, no PD split) ---
-    R("priority", ALL, only(0), "priority scheduling"),
     R("background", (GENERATE,), _FALSE, "a background response"),
     R("bootstrap_host", ALL, empty, "prefill/decode disaggregation"),
     R("bootstrap_port", ALL, empty, "prefill/decode disaggregation"),

@@ -215,6 +215,7 @@ class SchedulerProcess:
                     sampling_params=msg.sampling_params,
                     rid=msg.rid,
                     extra_key=msg.extra_key,
+                    cache_hints=msg.cache_hints,
                     **_logprob_args(msg.logprobs),
                 )
             except (ValueError, TypeError, CapacityError) as e:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.server import request_fields as RF
+from hicache.admission import CacheHints
 
 # Bodies this size or smaller are parsed a second time (by the stdlib) after a JSON error, to
 # name the field that holds a lone surrogate.
@@ -120,6 +121,10 @@ class _OpenAISampling(_Body):
     # SGLang's extra_key does the same; both given, the pair is the namespace.
     cache_salt: str | None = None
     extra_key: str | list[str] | None = None
+    # The request's cache hints (hicache.admission.CacheHints; docs/retention.md).
+    skip_cache_write: bool | None = None
+    retention_seconds: float | None = None
+    priority: int | None = None
     # Sampling beyond the basics (engine.server.openai_params maps them).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -212,6 +217,10 @@ class GenerateBody(_Body):
     rid: str | list[str] | None = None
     extra_key: str | list[str] | None = None  # a list: one per prompt
     cache_salt: str | None = None  # as extra_key (both given: the pair)
+    # The request's cache hints (hicache.admission.CacheHints; docs/retention.md).
+    skip_cache_write: bool | None = None
+    retention_seconds: float | None = None
+    priority: int | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
@@ -224,6 +233,18 @@ class GenerateBody(_Body):
 class StorageBody(_Body):
     backend: str
     extra_config: dict[str, Any] | None = None
+
+
+def cache_hints(body: CompletionBody | ChatBody | GenerateBody) -> dict[str, Any] | None:
+    """The body's cache hints as they travel to the scheduler (None: none asked); a value out
+    of range is a 400 naming its field (a wrong type already was, by the model)."""
+    fields = {"skip_cache_write": body.skip_cache_write,
+              "retention_seconds": body.retention_seconds, "priority": body.priority}
+    try:
+        hints = CacheHints.from_any(fields)
+    except ValueError as e:
+        raise bad(str(e), "retention_seconds") from e
+    return hints.as_dict() or None
 
 
 # ---- other APIs' fields (engine.server.request_fields) ------------------------------------------
