@@ -76,9 +76,21 @@ def test_replayed_log_matches_engine(
     )
     doc = json.loads(capsys.readouterr().out)
     assert doc["trace"]["format"] == "engine"
+    measured: dict[str, int] = {}
+    for r in rows:
+        for k, v in r["cache_outcomes"].items():
+            measured[k] = measured.get(k, 0) + v
     assert doc["engine"] == {
         "cached_tokens": reported,
         "simulated_hit_tokens": reported,
         "mismatched_requests": 0,
+        "outcomes": measured,
+        "predicted_outcomes": None,  # (pages mode)
     }
+    # Replayed token by token, the predicted attribution is the engine's, cause by cause.
+    args = [str(log), "--json", "--no-progress", "--page-size", str(PAGE),
+            "--device", f"{max_total_tokens // PAGE}p", "--replay-mode", "tokens"]
+    assert main(args) == 0
+    eng_doc = json.loads(capsys.readouterr().out)["engine"]
+    assert eng_doc["predicted_outcomes"] == eng_doc["outcomes"] == measured
     assert doc["result"]["device_hit_tokens"] == stats.device_hit_tokens

@@ -311,6 +311,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cached_tokens": res.engine_cached_tokens,
             "simulated_hit_tokens": res.hit_tokens,
             "mismatched_requests": res.engine_mismatched_requests,
+            "outcomes": res.engine_outcomes,  # hit tier / miss cause -> tokens, from the log
+            "predicted_outcomes": res.predicted_outcomes,  # the replay's (tokens mode)
         },
         "timing": {
             "read_s": t_read,

@@ -201,6 +201,15 @@ def print_table(doc: dict[str, Any], console: Any | None = None) -> None:
             f"engine log: the engine reported {eng['cached_tokens']:,} cached tokens, the replay "
             f"{eng['simulated_hit_tokens']:,}; {eng['mismatched_requests']:,} requests differ"
         )
+        measured, predicted = eng.get("outcomes"), eng.get("predicted_outcomes")
+        if measured or predicted:
+            t = Table(title="prompt tokens by outcome (engine log vs replay)")
+            for col in ("outcome", "engine", "replay"):
+                t.add_column(col, justify="left" if col == "outcome" else "right")
+            for k in sorted(set(measured or {}) | set(predicted or {})):
+                t.add_row(k, *(f"{d.get(k, 0):,}" if d is not None else "-"
+                               for d in (measured, predicted)))
+            con.print(t)
     if tr["bad_lines"]:
         con.print(
             f"[yellow]skipped {tr['bad_lines']:,} bad lines[/] (first: "

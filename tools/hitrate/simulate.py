@@ -61,6 +61,10 @@ class SimResult:
     per_request_hits: list[int] = field(default_factory=list)
     engine_cached_tokens: int | None = None  # engine traces: the engine's own counter
     engine_mismatched_requests: int = 0
+    # Engine traces: prompt tokens by outcome (hicache.attribution), the engine's (summed from
+    # the log's cache_outcomes) and the replay's (--replay-mode tokens only; None otherwise).
+    engine_outcomes: dict[str, int] | None = None
+    predicted_outcomes: dict[str, int] | None = None
     cache_stats: dict[str, float] = field(default_factory=dict)
     device_pages: int = 0  # the capacities actually used (unbounded resolved)
     host_pages: int = 0
@@ -179,6 +183,10 @@ def replay(
                 sr = simulate_request(cache, rid, prompt, output, req.extra_key)
                 dev, host, sto = sr.device_hit_tokens, sr.host_hit_tokens, sr.storage_hit_tokens
             hit = _account(res, dev, host, sto, req.input_len)
+            if req.cache_outcomes is not None:
+                measured = res.engine_outcomes = res.engine_outcomes or {}
+                for k, v in req.cache_outcomes.items():
+                    measured[k] = measured.get(k, 0) + v
             if req.cached_tokens is not None:
                 engine_total += req.cached_tokens
                 if req.cached_tokens != hit:
@@ -192,6 +200,9 @@ def replay(
             bar.close()
     if trace.format == "engine":
         res.engine_cached_tokens = engine_total
+        if not page_ids:
+            res.predicted_outcomes = {
+                k: v for k, v in cache.counters.prompt_outcomes.items() if v}
     _finish(res, cache, ps, page_ids)
     return res
 

@@ -74,6 +74,7 @@ class Request:
     output: list[int] | None = None  # engine traces: output token ids
     extra_key: str | None = None  # tenant / cache_salt namespace
     cached_tokens: int | None = None  # engine traces: what the engine reported
+    cache_outcomes: dict[str, int] | None = None  # engine traces: its miss attribution
 
 
 @dataclass
@@ -198,6 +199,17 @@ def _int_list(
     return v
 
 
+def _outcomes(v: Any) -> dict[str, int] | None:
+    """An engine log's `cache_outcomes` (outcome -> tokens), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not all(
+        isinstance(k, str) and type(n) is int and n >= 0 for k, n in v.items()
+    ):
+        raise ValueError(f"'cache_outcomes' must map outcomes to token counts, got {v!r}")
+    return dict(v)
+
+
 def _timestamp(obj: dict[str, Any], key: str, scale: float, limits: Limits) -> float:
     """The arrival time in seconds (`scale` converts the trace's unit); 0 when absent. Must be a
     finite, non-negative number below `limits.max_timestamp_s` (JSON's NaN / Infinity are not)."""
@@ -320,6 +332,7 @@ class _Reader:
             output=output,
             extra_key=extra,
             cached_tokens=cached,
+            cache_outcomes=_outcomes(obj.get("cache_outcomes")),
         )
 
     def _max_tokens(self, obj: dict[str, Any]) -> int:
