@@ -8,7 +8,8 @@ reset, close, stats, checks) and the tree operations: match, acquire (with load-
 (with the write policies) and evict. The parts with state of their own are objects it owns: the
 prefetch state machine in `hicache.prefetch`, ack
 application in `hicache.acks`, the buffer_only host mode in `hicache.staging`, occupancy and
-invariant checks in `hicache.integrity` (which lists the invariants), page digests in
+invariant checks in `hicache.integrity` (which lists the invariants), L3 admission and soft pins
+in `hicache.retention`, page digests in
 `hicache_client.keys`, eviction candidates in `hicache.eviction`, cache events in `hicache.emit`, and
 construction helpers in `hicache.wiring`.
 
@@ -18,14 +19,11 @@ run in `TransferController`; their results are applied in `poll()`.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Callable, Sequence
-from itertools import count
 
 from hicache.acks import Acks
-from hicache.admission import Declined, make_admission
 from hicache.attribution import EvictedSketch, add_into, attribute, complete, left_cache
 from hicache.config import HiCacheConfig
 from hicache.controller import TransferController, WriteOp
@@ -38,6 +36,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, PageAllocator, dtype_name
 from hicache.prefetch import Prefetcher
 from hicache.prefix_cache import Acquired, InsertResult, MatchResult
 from hicache.radix import RadixTree, Tokens, TreeNode, common_pages
+from hicache.retention import Keeper
 from hicache.sim_storage import SimStorage
 from hicache.staging import trim
 from hicache.stats import CacheStats
@@ -79,7 +78,6 @@ class HiRadixCache:
         `shared_storage`: every rank holds the same pages under the same keys (MLA's one
         latent): only the rank `sync.writes_shared` names writes L3; every rank reads it.
         `clock`: seconds, for soft pins (`retention_seconds`); default `time.time`."""
-        self.clock = clock or time.time
         self.config = config
         self.sync = sync
         self.writes_storage = sync.writes_shared or not shared_storage
@@ -140,7 +138,6 @@ class HiRadixCache:
         if len(self.namespace) != 32:
             raise ConfigError("namespace must be a 32-byte seed (hicache_client.keys.namespace_seed)")
         self.tree = RadixTree(ps)
-        self.tree.on_split = self._split
         self.chain = KeyChain(self.namespace, ps)
         self.events = Emitter(self.chain, ps)
         self.events.sink = event_sink
@@ -148,19 +145,16 @@ class HiRadixCache:
         self.device_candidates = Candidates(self.policy, device_candidate)
         self.host_candidates = Candidates(self.policy, host_candidate)
         self.counters = CacheStats()
-        # L3 admission (hicache.admission), the sketch of what it declined, and the soft pins
-        # (retain_until, seq, node) in expiry order.
-        self.admission = make_admission(config.storage_admission)
-        self.declined = Declined()
         # Miss attribution (hicache.attribution): the bounded sketch of recently evicted pages.
         self.evicted = EvictedSketch() if config.miss_attribution else None
-        self.pins: list[tuple[float, int, TreeNode]] = []
-        self._pin_seq = count()
         self.host_inflight: dict[int, list[int]] = {}
         self._corrupt_before = 0  # corrupt pages counted by backends detached since
         self.controller = self._make_controller()
         self.prefetcher = Prefetcher(self)
         self.acks = Acks(self, self.prefetcher)
+        # L3 admission, its sketch of declined pages, the soft pins (hicache.retention).
+        self.keeper = Keeper(self, self.acks, clock or time.time)
+        self.admission, self.declined = self.keeper.admission, self.keeper.declined
         logger.info(
             "HiRadixCache: page_size=%d device_pages=%d host_pages=%d write_policy=%s "
             "eviction=%s storage=%s%s",
@@ -172,6 +166,12 @@ class HiRadixCache:
             self._storage_name(),
             " (simulated)" if self.simulated else "",
         )
+        if self.has_storage:
+            logger.info(
+                "L3 admission %s; retention_seconds soft-pins pages on device and host only "
+                "(up to %gs): the %s backend gets no per-request TTL", self.admission.spec(),
+                config.max_retention_seconds, self._storage_name(),
+            )
 
     def _make_backend(self, name: str, extra: object) -> StorageBackend:
         assert self.host_pool is not None
@@ -287,7 +287,7 @@ class HiRadixCache:
             if x.host_value is not None:
                 self.host_alloc.free(x.host_value)
         self.tree.clear()
-        self.pins.clear()
+        self.keeper.clear()
         self.device_candidates.clear()
         self.host_candidates.clear()
         self.events.cleared("device")
@@ -434,7 +434,7 @@ class HiRadixCache:
 
     def record_admission(self, acq: Acquired, input_tokens: int) -> None:
         """Count one admitted request of `input_tokens` prompt tokens and its per-tier hits."""
-        self.admission.tick()
+        self.keeper.admission.tick()
         st = self.counters
         st.requests += 1
         st.input_tokens += input_tokens
@@ -455,7 +455,7 @@ class HiRadixCache:
     ) -> Acquired:
         ps = self.page_size
         cfg = self.config
-        self._expire()
+        self.keeper.expire()
         from_storage = self.prefetcher.take(request_id) if request_id is not None else 0
         note = self.prefetcher.notes.pop(request_id, None) if request_id is not None else None
         unprobed = self.prefetcher.unprobed.pop(request_id, "below_prefetch_floor") \
@@ -498,7 +498,7 @@ class HiRadixCache:
         for x in used:
             x.hit_count += 1
             x.last_access = tick
-        self._reused(used)
+        self.keeper.reused(used)
         self.tree.inc_lock(end)
         # Write-through catch-up: back up matched device nodes that have no host copy yet.
         if self.host_enabled and used:
@@ -609,7 +609,7 @@ class HiRadixCache:
         """
         r = self._insert(tuple(tokens), list(device_pages), extra_key, priority, skip_write)
         if retention_s > 0 and r.node.parent is not None:
-            self.retain(r.node, retention_s)
+            self.keeper.retain(r.node, retention_s)
         self._after()
         return r
 
@@ -621,7 +621,7 @@ class HiRadixCache:
         n_pages = len(t) // ps
         if len(pages_in) < n_pages:
             raise ValueError(f"{len(pages_in)} device pages for {n_pages} full pages of tokens")
-        self._expire()
+        self.keeper.expire()
         pages = pages_in[:n_pages]
         node = self.tree.root(extra_key)
         tick = self.tree.clock()
@@ -665,7 +665,7 @@ class HiRadixCache:
         if skip_write:
             self.counters.skip_write_pages += sum(x.num_pages for x in fresh if x.no_write)
         else:
-            self._computed(fresh)
+            self.keeper.computed(fresh)
         if node.parent is not None:
             node.last_access = tick
             self.device_candidates.push(node)
@@ -701,84 +701,15 @@ class HiRadixCache:
             self.controller.submit_write(WriteOp(x, list(x.value), x.host_value, keys=keys))  # type: ignore[arg-type]
         return True
 
-    # -- L3 admission and soft pins (hicache.admission) -------------------------------------
+    # -- L3 admission and soft pins (hicache.retention) -------------------------------------
 
     def admit(self, node: TreeNode) -> bool:
-        """Whether `node`'s pages go to L3 now (False without L3). A refusal by admission
-        marks the node `declined` (asked again when it is hit), counts its pages and puts them
-        in the declined sketch."""
-        if not self.has_storage or node.no_write:
-            return False
-        if not self.admission.counts_uses:
-            return True
-        digests = self.chain.digests(node)
-        if self.admission.admits(digests):
-            if node.declined:
-                node.declined = False
-                self.declined.discard(digests)
-            return True
-        node.declined = True
-        self.counters.storage_declined_pages += len(digests)
-        self.declined.add(digests)
-        return False
-
-    def _computed(self, fresh: list[TreeNode]) -> None:
-        """The request computed these nodes' pages: their first use (or one more, for pages
-        that had left the tree), and recomputed declined pages L3 would have served."""
-        if not fresh or not self.has_storage or not self.admission.counts_uses:
-            return
-        for x in fresh:
-            d = self.chain.digests(x)
-            self.admission.seen(d)
-            if x.host_value is None:  # recomputed for want of a copy (not a host copy's plan)
-                self.counters.storage_declined_rehit_pages += self.declined.count(d)
-
-    def _reused(self, used: list[TreeNode]) -> None:
-        """A request hit these nodes on device/host (top-down): count the use, and write the
-        ones admission declined before and admits now (their host copy is complete)."""
-        if not used or not self.has_storage or not self.admission.counts_uses:
-            return
-        for x in used:
-            self.admission.seen(self.chain.digests(x))
-        for x in used:
-            if x.declined and x.host_value is not None and not x.stored and self.admit(x):
-                self.acks.backup(x, list(x.host_value), self.storage_keys(x))
+        """Whether `node`'s pages go to L3 now (`Keeper.admit`)."""
+        return self.keeper.admit(node)
 
     def retain(self, node: TreeNode, seconds: float) -> float:
-        """Soft-pin `node` and its ancestors for `seconds` (cut to `max_retention_seconds`);
-        an existing longer pin stays. Returns the pin's end on the cache's clock (0: none)."""
-        limit = self.config.max_retention_seconds
-        if seconds <= 0 or limit <= 0:
-            return 0.0
-        st = self.counters
-        st.retention_requests += 1
-        if seconds > limit:
-            st.retention_clamped += 1
-            seconds = limit
-        until = self.clock() + seconds
-        for x in self.tree.path(node):
-            if x.retain_until < until:
-                x.retain_until = until
-                heapq.heappush(self.pins, (until, next(self._pin_seq), x))
-                self.touch(x)  # its eviction class changed
-        return until
-
-    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
-        if upper.retain_until:  # the upper part keeps the pin, and ends with it
-            heapq.heappush(self.pins, (upper.retain_until, next(self._pin_seq), upper))
-
-    def _expire(self) -> None:
-        """End the soft pins whose time has come (counted), so eviction may take them."""
-        pins = self.pins
-        if not pins:
-            return
-        now = self.clock()
-        while pins and pins[0][0] <= now:
-            until, _, x = heapq.heappop(pins)
-            if x.retain_until == until and not x.removed:
-                x.retain_until = 0.0
-                self.counters.retention_expired += 1
-                self.touch(x)
+        """Soft-pin `node` and its ancestors for `seconds` (`Keeper.retain`)."""
+        return self.keeper.retain(node, seconds)
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -791,7 +722,7 @@ class HiRadixCache:
         return r
 
     def _evict(self, n_tokens: int) -> int:
-        self._expire()
+        self.keeper.expire()
         evicted = 0
         skipped: list[TreeNode] = []
         if len(self.device_candidates.heap) > 4 * self.device_alloc.num_pages + 1024:
@@ -887,7 +818,7 @@ class HiRadixCache:
 
     def _evict_host(self, n_tokens: int) -> int:
         ps = self.page_size
-        self._expire()
+        self.keeper.expire()
         evicted = 0
         if len(self.host_candidates.heap) > 4 * self.host_alloc.num_pages + 1024:
             self.host_candidates.rebuild(list(self.tree.nodes()))
