@@ -7,6 +7,7 @@ keep or drop.
     hicache-admin ... pins   [--json]
     hicache-admin ... clear  (--namespace HEX | --all)
     hicache-admin ... stats  [--json]
+    hicache-admin ... top    [--metrics-url URL] [--interval S] [--once]
 
 PROMPT is `--text TEXT` (tokenized with `--model`, a model path or demo name, or else by the
 first `--engine`) or `--token-ids 1,2,3`, with `--extra-key` / `--cache-salt` as the requests
@@ -521,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "SIGHUP does): added, removed and rotated tokens apply from the next "
                         "request; a file that does not load changes nothing (exit status 1)")
     _json_flag(rt)
+    from storage_backends.server.admin_top import add_parser as add_top
+
+    add_top(sub, _json_flag)
     return p
 
 
@@ -531,11 +535,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hicache-admin: no admin token: pass --admin-token or set {ADMIN_ENV}",
               file=sys.stderr)
         return 1
-    run, show = COMMANDS[a.command]
+    run, show = COMMANDS.get(a.command) or (None, None)
     try:
         client = AdminClient(a.url, token, a.timeout_ms, a.server_public_key)
         try:
+            if run is None:  # top (storage_backends.server.admin_top)
+                from storage_backends.server.admin_top import run_top
+
+                return run_top(client, a)
             out = run(client, a)
+            assert show is not None
         finally:
             client.close()
     except AdminError as e:
