@@ -3,11 +3,13 @@
 #   redis-server  - the `redis` backend's tests start real servers
 #   libibverbs1   - loaded by Mooncake's transfer engine, even over TCP
 #   iproute2      - `ip` to bring up loopback in the network namespace Mooncake's tests use
+#   prometheus    - a real scraper that evaluates the Grafana dashboard's queries (deploy/grafana)
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v unshare >/dev/null 2>&1 || need+=(util-linux)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
