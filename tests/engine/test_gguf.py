@@ -35,10 +35,10 @@ def _logits(path: Path, ids: list[int]) -> torch.Tensor:
     """Our model's logits of `ids`: a prefill of 7, a cached-prefix chunk, then decode steps."""
     model = load_model(path)
     c = model.config
-    pool = DeviceKVPool(num_pages=32, page_size=4, num_layers=c.num_layers,
+    pool = DeviceKVPool(num_pages=64, page_size=4, num_layers=c.num_layers,
                         kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     attn = make_attention_backend("torch", pool, c.num_heads, c.head_dim, c.head_dim**-0.5)
-    pages = pool.allocator.alloc(8)
+    pages = pool.allocator.alloc(-(-len(ids) // 4))
     assert pages is not None
     rows = [model(ForwardBatch.build(pool, [(ids[:7], 0, pages)], last_only=False), attn),
             model(ForwardBatch.build(pool, [(ids[7:15], 7, pages)], last_only=False), attn)]
