@@ -65,6 +65,7 @@ breaker), `shm` (the connection's region), `store` (the server's store).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -106,6 +107,10 @@ from hicache_client.remote.store import (
 if TYPE_CHECKING:
     from hicache_client.remote.seal import Sealer
 
+# hicache_client.remote.seal's (not imported: it needs cryptography; a test checks they agree)
+SEALED_MAGIC = b"HKVS"
+SEAL_OVERHEAD = 28
+
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS = ("url", "auth_token", "timeout_ms", "batch_keys", "batch_bytes", "tune_malloc",
@@ -143,6 +148,8 @@ class HiCacheServerBackend(StorageBackend):
         shm = setting(config, "shm", True)
         secret = setting(config, "encryption_key", "", env=ENCRYPTION_ENV, cast=str)
         self._sealer: Sealer | None = None
+        self._cannot_read: set[str] = set()  # `_unreadable`, until `report_corrupt` sees them
+        self._cannot_read_lock = threading.Lock()
         if secret:
             from hicache_client.remote.seal import OVERHEAD, Sealer, parse_key
 
@@ -302,8 +309,35 @@ class HiCacheServerBackend(StorageBackend):
                 res.append(Checked(n, f"stored sealed record is {n} bytes, expected {len(s)}"))
             else:
                 problem = opened[i] if i in opened else sealer.open_into(key, s, o)
+                if problem is not None and not problem.startswith("sealed record is "):
+                    self._unreadable(key)  # another key, plain, or altered: not proof
                 res.append(Checked(len(o), problem or self._check_opened(key, o)))
         return res
+
+    def _unreadable(self, key: str) -> None:
+        """`key` was read but could not be opened here, which proves nothing about it."""
+        with self._cannot_read_lock:
+            self._cannot_read.add(key)
+
+    def check_record(self, key: str, length: int, buf: memoryview) -> str | None:
+        problem = super().check_record(key, length, buf)
+        size = len(memoryview(buf).cast("B"))
+        if problem is not None and self._sealer is None and (
+                length == size + SEAL_OVERHEAD
+                or (length == size >= 4 and bytes(memoryview(buf).cast("B")[:4]) == SEALED_MAGIC)):
+            self._unreadable(key)
+            return "sealed record and this client has no encryption_key (a miss, kept)"
+        return problem
+
+    def report_corrupt(self, keys: Sequence[str]) -> None:
+        """`StorageBackend.report_corrupt` of the keys proven corrupt only: a sealed record
+        that does not open here (no or another encryption_key, or bits flipped on the way by
+        a man in the middle) is a miss and stays, for the clients that can read it."""
+        with self._cannot_read_lock:
+            bad = [k for k in keys if k not in self._cannot_read]
+            self._cannot_read.difference_update(keys)
+        if bad:
+            super().report_corrupt(bad)
 
     def _check_opened(self, key: str, record: memoryview) -> str | None:
         """`check_record` of a record that opened (its tag verified it): all but the checksum."""

@@ -121,11 +121,14 @@ def test_another_key_a_plain_reader_and_altered_records_miss(server: HiCacheServ
     try:
         assert b.batch_set(keys, [memoryview(r) for r in recs]) == [True] * N
         out = buffers(N, len(recs[0]))
-        # Under another key: no page opens (each counted corrupt, and deleted).
+        # Under another key: no page opens; each is a miss, neither counted corrupt nor
+        # deleted (a reader that lacks the key proves nothing about the record: issue 46).
         assert other.batch_get(keys[:2], out[:2]) == [False, False]
-        assert other.stats().corrupt_pages == 2
-        # A reader without the key sees sealed records as corrupt, never as pages.
+        assert other.stats().corrupt_pages == 0 and other.stats().get_hits == 0
+        # A reader without the key sees sealed records as misses, never as pages.
         assert plain.batch_get(keys[2:4], out[2:4]) == [False, False]
+        assert plain.stats().corrupt_pages == 0
+        assert b.batch_get(keys[:4], out[:4]) == [True] * 4  # all still there for the owner
         # A sealed record moved under another key, or with a flipped bit, does not open.
         stored = raw.get(keys[4:6])
         assert all(s is not None for s in stored)
@@ -133,6 +136,9 @@ def test_another_key_a_plain_reader_and_altered_records_miss(server: HiCacheServ
         flipped[HEADER_BYTES + 100] ^= 1
         assert raw.set([keys[4], keys[5]], [bytes(moved), bytes(flipped)]) == [True, True]
         assert b.batch_get(keys[4:6], out[4:6]) == [False, False]
+        # Kept: a bit flipped on the way (a man in the middle) must not delete the victim's
+        # pages, and the server cannot tell that from a bit flipped at rest.
+        assert raw.get(keys[4:6]) == [bytes(moved), bytes(flipped)]
         assert b.batch_get(keys[6:], out[6:]) == [True, True]
         assert [bytes(o) for o in out[6:]] == [bytes(r) for r in recs[6:]]
     finally:
@@ -145,6 +151,12 @@ def test_another_key_a_plain_reader_and_altered_records_miss(server: HiCacheServ
 def test_a_bad_key_is_a_config_error_naming_the_setting(bad: str) -> None:
     with pytest.raises(ConfigError, match="encryption_key must be 64 hex"):
         client_of("tcp://127.0.0.1:1", encryption_key=bad)
+
+
+def test_the_backend_knows_the_seal_without_importing_it() -> None:
+    from hicache_client.remote import backend
+
+    assert (backend.SEALED_MAGIC, backend.SEAL_OVERHEAD) == (SEALED_MAGIC, OVERHEAD)
 
 
 def test_seal_and_open_in_memory() -> None:
