@@ -133,7 +133,7 @@ class Generation:
         n_new = len(out.new_token_ids)
         if m is not None and n_new:
             if self.t_last is None:
-                m.ttft.observe(now - self.t0)
+                m.first_token(now - self.t0, out.prompt_tokens, out.cached_tokens)
                 for _ in range(n_new - 1):
                     m.itl.observe(0.0)
             else:

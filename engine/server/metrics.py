@@ -185,6 +185,11 @@ class ServerMetrics:
             "(unsupported: a value the engine cannot honour; unknown: no API defines it).",
             ["field", "reason"], registry=r)
         self._unknown_labels: set[str] = set()
+        self.ttft_cached = Histogram(
+            PREFIX + "time_to_first_token_by_cached_fraction_seconds",
+            "Time to first token in seconds, by the fraction of the prompt the cache served "
+            "(cached_fraction: none, under_half, half_to_90, over_90).",
+            ["cached_fraction"], buckets=LATENCY_BUCKETS, registry=r)
         self.cache = _CacheCollector()
         r.register(self.cache)
 
@@ -199,6 +204,13 @@ class ServerMetrics:
                 else:
                     label = "(other)"
             self.refused_fields.labels(label, reason).inc()
+
+    def first_token(self, seconds: float, prompt: int, cached: int) -> None:
+        self.ttft.observe(seconds)
+        f = cached / prompt if prompt else 0.0
+        band = ("none" if cached <= 0 else "under_half" if f < 0.5 else "half_to_90"
+                if f < 0.9 else "over_90")
+        self.ttft_cached.labels(band).observe(seconds)
 
     def finished(self, prompt: int, completion: int, cached: int, e2e: float) -> None:
         self.requests.inc()
