@@ -34,6 +34,7 @@ FLAGS = [
     "--eviction-policy",
     "--eviction-policy-config",
     "--write-policy",
+    "--admission",
     "--prefetch-policy",
     "--prefetch-threshold",
     "--load-back-threshold",

@@ -37,6 +37,8 @@ def _compiled_unfit(tiers: Any, args: argparse.Namespace, fmt: str) -> str:
         return "an L3 tier (--storage)"
     if tiers.eviction_policy != "lru":
         return f"--eviction-policy {tiers.eviction_policy}"
+    if tiers.storage_admission != "always":
+        return f"--admission {tiers.storage_admission}"
     if args.replay_mode != "pages":
         return "--replay-mode tokens"
     if fmt == "engine":
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prefetch_policy=args.prefetch_policy,
         prefetch_threshold=args.prefetch_threshold,
         load_back_threshold=args.load_back_threshold,
+        storage_admission=args.admission,
     )
 
     t0 = time.perf_counter()
@@ -260,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "eviction_policy": policies[0],
             "eviction_config": ev_cfg,
             "write_policy": args.write_policy,
+            "admission": args.admission,
             "prefetch_policy": args.prefetch_policy,
             "ignore_output": args.ignore_output,
             "warmup": args.warmup,
@@ -280,6 +284,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hit_requests": res.hit_requests,
             "request_hit_rate": _ratio(res.hit_requests, res.requests),
             "capped_tokens": res.capped_tokens,
+            # L3 write volume beside the hit rate (--admission): what an SSD is asked to take.
+            "l3_pages_written": int(res.cache_stats.get("storage_backup_pages", 0)),
+            "l3_bytes_written": None if kvb is None else int(
+                res.cache_stats.get("storage_backup_pages", 0) * page_size * kvb),
+            "l3_pages_declined": int(res.cache_stats.get("storage_declined_pages", 0)),
             "cache_stats": res.cache_stats,
         },
         "unbounded": {

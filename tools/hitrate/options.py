@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="device -> host write policy (default write_through)",
     )
     g.add_argument(
+        "--admission",
+        default="always",
+        metavar="SPEC",
+        help="L3 admission, as the engine's --hicache-storage-admission: always, reuse:N, "
+        "frequency[:HALF_LIFE] (default always); the report gives L3 pages and bytes written",
+    )
+    g.add_argument(
         "--prefetch-policy",
         default="best_effort",
         choices=["best_effort", "wait_complete", "timeout"],

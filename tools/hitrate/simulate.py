@@ -40,6 +40,7 @@ class TierConfig:
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int | None = None  # None: HiCacheConfig's default
     load_back_threshold: int | None = None
+    storage_admission: str = "always"  # hicache.admission: always, reuse:N, frequency[:H]
 
     def total_pages(self) -> float:
         """Distinct pages the tiers can hold together (inf when one is unbounded)."""
@@ -91,6 +92,7 @@ def build_cache(tiers: TierConfig, unbounded_pages: int, *, page_ids: bool = Fal
         eviction_policy=tiers.eviction_policy,
         eviction_config=dict(tiers.eviction_config),
         prefetch_policy=tiers.prefetch_policy,
+        storage_admission=tiers.storage_admission,
         simulated=True,
         synchronous=True,
     )
