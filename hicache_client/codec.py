@@ -15,6 +15,12 @@ Versions (the reader accepts both; the writer writes the newest):
 - 2: XXH3-64 (`xxhash`, seed 0) in the header's last 8 bytes, over header[:120] then the
   payload. ~30-60 GB/s on one core and the GIL is released while hashing, so backends can check
   pages in their reading threads.
+- 3: a compressed record (`hicache_client.compression`): the version-2 header and checksum, the
+  header's pad byte (after ndim) holds the compression id, the shape and dtype are the decoded
+  page's, payload_len and the checksum are of the stored (encoded) bytes. A compression's
+  parameters are fixed by its id (a new parameter set is a new id), so the record says all a
+  reader needs: `PageCodec.decode_into` decodes whatever compression a record names.
+  Uncompressed records are still written as version 2.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import hashlib
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -32,7 +38,8 @@ from hicache_client.errors import ConfigError, StorageCorrupt
 
 RECORD_MAGIC = b"HKVP"
 RECORD_VERSION = 2  # what PageCodec writes
-READ_VERSIONS = (1, 2)  # what verify_record accepts
+COMPRESSED_VERSION = 3  # what PageCodec writes for a compressed page
+READ_VERSIONS = (1, 2, 3)  # what verify_record accepts
 _MAX_DIMS = 8
 # magic, version, header_len, namespace, key digest, token_count, dtype, layout, ndim, pad,
 # shape[8], payload_len, then the checksum area: v1 = reserved 4 bytes + CRC32, v2 = XXH3-64.
@@ -91,6 +98,7 @@ class RecordHeader(NamedTuple):
     layout: str
     shape: tuple[int, ...]
     payload_len: int
+    compression: int = 0  # hicache_client.compression id (version 3; 0 = stored raw)
 
 
 def verify_record(record: memoryview | bytes, key: str, *, checksum: bool = True) -> RecordHeader:
@@ -119,7 +127,7 @@ def verify_record(record: memoryview | bytes, key: str, *, checksum: bool = True
             f"record is {len(mv)} bytes, header says {HEADER_BYTES + payload_len}"
         )
     if checksum:
-        if version == 2:
+        if version >= 2:
             stored = f[-1]
             actual = checksum_v2(mv, mv[HEADER_BYTES:])
         else:
@@ -134,13 +142,16 @@ def verify_record(record: memoryview | bytes, key: str, *, checksum: bool = True
     dtype, layout, ndim = _DTYPES.get(f[6]), _LAYOUTS.get(f[7]), f[8]
     if dtype is None or layout is None or ndim > _MAX_DIMS:
         raise StorageCorrupt("unknown dtype, layout or rank")
-    return RecordHeader(version, f[3], f[4], f[5], dtype, layout, f[10 : 10 + ndim], payload_len)
+    return RecordHeader(version, f[3], f[4], f[5], dtype, layout, f[10 : 10 + ndim], payload_len,
+                        f[9] if version == COMPRESSED_VERSION else 0)
 
 
 class PageCodec:
     """Encodes and decodes the records of one page format (namespace, dtype, shape, layout).
 
-    Writes version-2 records (XXH3-64); reads versions 1 and 2 (see the module docstring).
+    Writes version-2 records (XXH3-64), or version 3 where `compression` is not "none" (then
+    `encode_compressed`; see the module docstring); reads versions 1 to 3. `compression` is
+    checked here, at start-up: an unknown name or a dtype it does not take is a `ConfigError`.
     """
 
     def __init__(
@@ -152,6 +163,7 @@ class PageCodec:
         layout: str,
         tokens_per_page: int,
         itemsize: int,
+        compression: str = "none",
     ) -> None:
         if len(namespace) != 32:
             raise ConfigError("namespace must be a 32-byte seed")
@@ -170,13 +182,42 @@ class PageCodec:
         for d in self.shape:
             n *= d
         self.payload_bytes = n * itemsize
-        self.record_bytes = HEADER_BYTES + self.payload_bytes
+        self.record_bytes = HEADER_BYTES + self.payload_bytes  # of an uncompressed record
+        self.compression = compression
+        self._compressions: dict[int, Any] = {}
+        self._writer = None if compression == "none" else self._compression_by_name(compression)
 
-    def _header(self, key: str, payload_len: int) -> bytes:
+    def _compression_by_name(self, name: str) -> Any:
+        from hicache_client.compression import get_compression
+
+        c = get_compression(name, self.dtype)
+        self._compressions[c.id] = c
+        return c
+
+    def _compression_by_id(self, cid: int) -> Any:
+        c = self._compressions.get(cid)
+        if c is None:
+            from hicache_client.compression import BY_ID
+
+            cls = BY_ID.get(cid)
+            if cls is None:
+                raise StorageCorrupt(f"record names compression {cid}, which this reader lacks")
+            try:
+                c = self._compression_by_name(cls.name)
+            except ConfigError as e:
+                raise StorageCorrupt(f"record's compression cannot decode this page: {e}") from e
+        return c
+
+    @property
+    def last_dim(self) -> int:
+        return self.shape[-1] if self.shape else 1
+
+    def _header(self, key: str, payload_len: int, version: int = RECORD_VERSION,
+                compression: int = 0) -> bytes:
         dims = list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
         return _HEADER_V2.pack(
             RECORD_MAGIC,
-            RECORD_VERSION,
+            version,
             HEADER_BYTES,
             self.namespace,
             key_digest(key),
@@ -184,7 +225,7 @@ class PageCodec:
             DTYPE_CODES[self.dtype],
             LAYOUT_CODES[self.layout],
             len(self.shape),
-            0,
+            compression,
             *dims,
             payload_len,
             0,
@@ -208,11 +249,62 @@ class PageCodec:
         self.encode_into(key, payload, memoryview(out))
         return out
 
+    def encode_compressed(self, key: str, payload: memoryview | bytes) -> bytes:
+        """The record of `payload` with this codec's compression: a version-3 record of the
+        encoded bytes (a plain version-2 record when the compression is "none")."""
+        p = memoryview(payload).cast("B")
+        if self._writer is None:
+            return bytes(self.encode(key, p))
+        if len(p) != self.payload_bytes:
+            raise ValueError(f"payload is {len(p)} bytes, page format needs {self.payload_bytes}")
+        blob = self._writer.encode([p], last_dim=self.last_dim)[0]
+        head = self._header(key, len(blob), COMPRESSED_VERSION, self._writer.id)
+        return head[:_SUM_OFFSET] + struct.pack("<Q", checksum_v2(head, blob)) + blob
+
+    def decode_into(
+        self, record: memoryview | bytes, key: str, out: memoryview, *, checksum: bool = True
+    ) -> RecordHeader:
+        """Validate `record` as this format's page `key` and write its page into `out`
+        (`payload_bytes`), decoding whatever compression the record names. Raises
+        `StorageCorrupt` (a miss) for a record that fails any check, names a compression this
+        reader lacks, is lossy under another compression than this reader's, or does not
+        decode."""
+        header = self._check(record, key, checksum)
+        o = memoryview(out).cast("B")
+        if len(o) != self.payload_bytes:
+            raise ValueError(f"out is {len(o)} bytes, a page is {self.payload_bytes}")
+        body = memoryview(record).cast("B")[HEADER_BYTES:]
+        if header.compression == 0:
+            if len(body) != self.payload_bytes:
+                raise StorageCorrupt(f"payload is {len(body)} bytes, a page is "
+                                     f"{self.payload_bytes}")
+            o[:] = body
+            return header
+        c = self._compression_by_id(header.compression)
+        if not c.exact and (self._writer is None or self._writer.id != c.id):
+            raise StorageCorrupt(f"record is lossy ({c.name}); this reader asked for "
+                                 f"{self.compression}")
+        try:
+            c.decode_into([body], [o], last_dim=self.last_dim)
+        except StorageCorrupt:
+            raise
+        except Exception as e:  # a blob that passed its checksum but does not decode
+            raise StorageCorrupt(f"compressed page does not decode: {e}") from e
+        return header
+
     def decode(
         self, record: memoryview | bytes, key: str, *, checksum: bool = True
     ) -> memoryview:
         """Validate `record` as this format's page `key`; return a view of its payload.
-        `checksum=False`: the record came from `StorageBackend.batch_get`, which checked it."""
+        `checksum=False`: the record came from `StorageBackend.batch_get`, which checked it.
+        A compressed (version-3) record is refused here: it has no payload view; read it with
+        `decode_into`."""
+        header = self._check(record, key, checksum)
+        if header.compression:
+            raise StorageCorrupt("record is compressed; decode_into reads it")
+        return memoryview(record).cast("B")[HEADER_BYTES:]
+
+    def _check(self, record: memoryview | bytes, key: str, checksum: bool) -> RecordHeader:
         header = verify_record(record, key, checksum=checksum)
         if header.namespace != self.namespace:
             raise StorageCorrupt("record is from another namespace")
@@ -227,7 +319,7 @@ class PageCodec:
                 f"{header.token_count} does not match {self.dtype}/{self.layout}/{self.shape}/"
                 f"{self.tokens_per_page}"
             )
-        return memoryview(record).cast("B")[HEADER_BYTES:]
+        return header
 
 
 # -- records held in several buffers (a header buffer, then a page's regions) ------------
@@ -296,7 +388,7 @@ def verify_copied_parts(parts: Sequence[memoryview], head: bytes, version: int) 
 
 def _verify_sum(head: bytes, version: int, parts: Sequence[memoryview]) -> None:
     """The checksum of the record held in `parts` (header `head`), streamed over them."""
-    if version == 2:
+    if version >= 2:
         h = xxhash.xxh3_64()
         h.update(head[:_SUM_OFFSET])
         for v in _payload(parts):

@@ -29,12 +29,16 @@ def namespace_seed(
     tp_rank: int = 0,
     tp_size: int = 1,
     extra: str = "",
+    compression: str = "",
 ) -> bytes:
     """The 32-byte seed that starts every key chain of one KV "universe".
 
     Two engines derive the same seed (and so share L3 pages) exactly when they run the same model
     with the same dtype, page size, KV layout and tensor-parallel rank/size. `extra` carries any
-    other discriminator the caller wants (e.g. a deployment-wide salt).
+    other discriminator the caller wants (e.g. a deployment-wide salt). `compression` is a lossy
+    KV compression's `namespace_tag()` (hicache_client/compression.py): its pages are not the
+    exact KV, so they live in a namespace of their own and never answer a reader that did not ask
+    for that compression; "" (no compression, or an exact one) leaves the seed as it was.
     """
     fields = {
         "model": model_fingerprint,
@@ -44,6 +48,8 @@ def namespace_seed(
         "tp": f"{tp_rank}/{tp_size}",
         "extra": extra,
     }
+    if compression:
+        fields["compression"] = compression
     h = hashlib.sha256(NAMESPACE_TAG)
     for name in sorted(fields):
         value = fields[name].encode()

@@ -127,7 +127,7 @@ def test_version_1_every_truncation_detected():
 
 def test_unknown_version_rejected():
     rec = codec().encode("k", bytes(48))
-    for version in (0, 3, 0xFFFF):
+    for version in (0, 4, 0xFFFF):
         struct.pack_into("<H", rec, 4, version)
         with pytest.raises(StorageCorrupt, match="unsupported record version"):
             verify_record(rec, "k", checksum=False)

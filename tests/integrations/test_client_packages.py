@@ -3,7 +3,8 @@
 - its one import package, `hicache_client`, imports nothing of ours outside it, and no third-party package it does not declare
   (torch, sglang and lmcache only in the plugins, which run inside those engines);
 - its wheel and the main distribution's have no file in common (both can be installed);
-- installed with --no-deps in a fresh venv (only pyzmq, msgpack and xxhash beside it), the wire
+- installed with --no-deps in a fresh venv (only pyzmq, msgpack, xxhash, zstandard
+  and numpy beside it), the wire
   client and the codec import without torch and store pages in a real `hicache-server`; the two
   plugins import there once an engine's packages (torch, sglang, lmcache) are on the path;
 - (network) pip resolves it together with `sglang==0.5.23`, and with `vllm` + `lmcache==0.5.6`,
@@ -56,11 +57,14 @@ CLIENT_DIR = REPO / "clients" / "hicache-client"
 OURS = ("hicache", "hicache_client", "storage_backends", "integrations", "engine", "tools")
 # Third-party imports a client module may make: its declared dependencies everywhere; the host
 # engine's packages in the plugin that runs inside it.
-DIST_OF = {"zmq": "pyzmq", "msgpack": "msgpack", "xxhash": "xxhash"}
+DIST_OF = {"zmq": "pyzmq", "msgpack": "msgpack", "xxhash": "xxhash", "zstandard": "zstandard",
+           "numpy": "numpy"}
 # Imports only a module behind an extra makes (hicache-client[encryption]: hicache_client.remote.seal,
 # hicache_client.remote.identity).
 EXTRA_OF = {"cryptography": "cryptography"}
-ENGINE_IMPORTS = {"hicache_client.sglang": {"torch", "sglang"},
+# The lossy KV compressions (fp8, int4) run on torch, imported when one is built, inside an engine.
+ENGINE_IMPORTS = {"hicache_client.compression": {"torch"},
+                  "hicache_client.sglang": {"torch", "sglang"},
                   "hicache_client.lmcache": {"torch", "lmcache"}}
 
 
