@@ -148,15 +148,17 @@ class _Shape:
         self.maps = 0
         self.lists = lists
 
-    def map_done(self, pairs: Any) -> dict[Any, Any]:
+    def map_done(self, value: dict[Any, Any]) -> dict[Any, Any]:
         self.maps += 1
         if self.maps > 1:
             raise ValueError("a request header holds no nested map")
-        return dict(pairs)
+        return value
 
     def list_done(self, items: list[Any]) -> list[Any]:
+        # Lists nested in lists complete first, so a list of lists stops here too; the field
+        # types are checked once the header is built.
         self.lists -= 1
-        if self.lists < 0 or any(isinstance(v, list) for v in items):
+        if self.lists < 0:
             raise ValueError("a request header holds only a few flat lists")
         return items
 
@@ -169,7 +171,7 @@ def unpack_header(header: Buffer, limits: DecodeLimits = DEFAULT_LIMITS,
     hooks: dict[str, Any] = {}
     if request:
         shape = _Shape(limits.request_lists)
-        hooks = {"object_pairs_hook": shape.map_done, "list_hook": shape.list_done}
+        hooks = {"object_hook": shape.map_done, "list_hook": shape.list_done}
     return msgpack.unpackb(
         header, raw=False, use_list=True, strict_map_key=True,
         max_str_len=limits.str_bytes, max_bin_len=limits.str_bytes,

@@ -14,6 +14,10 @@ their order) and runs when earlier replies have been written; a request that wou
 waiting bytes over a budget is refused at once (a `busy` error reply, a few bytes). A client
 that does not read its replies is so throttled: the server holds at most the budgets for it,
 never more, whatever it sends.
+
+With tenants, the connections of one tenant (its partition: `assign`) together hold at most
+`group_bytes`, the total divided among the partitions (at least the per-client budget): a
+tenant whose connections never read their replies fills its share, not every tenant's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class _Conn:
     parked: deque[tuple[Any, int]] = field(default_factory=deque)  # (request, bytes)
     sent_bytes: int = 0
     parked_bytes: int = 0
+    group: str = ""  # the tenant's partition ("": none)
 
     @property
     def held(self) -> int:
@@ -50,6 +55,37 @@ class ReplyBudget:
         self.peak = 0
         self.refused = 0  # requests answered `busy`
         self.waited = 0  # requests that had to wait for room
+        self.group_bytes = total_bytes  # most bytes held for one group (`set_groups`)
+        self._group_held: dict[str, int] = {}
+        self._groups: OrderedDict[bytes, str] = OrderedDict()  # ident -> its group
+
+    def set_groups(self, n: int) -> None:
+        """`n` groups (tenant partitions) share the total budget equally."""
+        self.group_bytes = max(self.per_client_bytes, self.total_bytes // max(1, n))
+
+    def assign(self, ident: bytes, group: str) -> None:
+        """Connection `ident` is of `group` (its tenant's partition), from its next reply on."""
+        if self._groups.get(ident) == group:
+            return
+        self._groups[ident] = group
+        while len(self._groups) > 1 << 16:  # idents of gone connections are never told
+            self._groups.popitem(last=False)
+
+    def _group_fits(self, ident: bytes, nbytes: int, own: int = 0) -> bool:
+        group = self._groups.get(ident, "")
+        return not group or self._group_held.get(group, 0) - own + nbytes <= self.group_bytes
+
+    def _conn(self, ident: bytes) -> _Conn:
+        c = self._conns.get(ident)
+        if c is None:
+            c = self._conns[ident] = _Conn(group=self._groups.get(ident, ""))
+        return c
+
+    def _held_change(self, c: _Conn, nbytes: int) -> None:
+        if c.group:
+            self._group_held[c.group] = self._group_held.get(c.group, 0) + nbytes
+            if not self._group_held[c.group]:
+                del self._group_held[c.group]
 
     def held_by(self, ident: bytes) -> int:
         c = self._conns.get(ident)
@@ -62,13 +98,16 @@ class ReplyBudget:
         mine = c.held if c is not None else 0
         if waiting and c is not None and c.parked:
             mine -= c.parked[0][1]
-        others = self.held - (c.parked[0][1] if waiting and c is not None and c.parked else 0)
-        return mine + nbytes <= self.per_client_bytes and others + nbytes <= self.total_bytes
+        own = c.parked[0][1] if waiting and c is not None and c.parked else 0
+        others = self.held - own
+        return (mine + nbytes <= self.per_client_bytes and others + nbytes <= self.total_bytes
+                and self._group_fits(ident, nbytes, own))
 
     def sent(self, ident: bytes, tracker: Any, nbytes: int) -> None:
-        c = self._conns.setdefault(ident, _Conn())
+        c = self._conn(ident)
         c.sent.append((tracker, nbytes))
         c.sent_bytes += nbytes
+        self._held_change(c, nbytes)
         self._add(nbytes)
 
     def has_waiting(self, ident: bytes) -> bool:
@@ -89,12 +128,13 @@ class ReplyBudget:
         fit the budgets: the caller refuses it."""
         if self.held_by(ident) + nbytes > self.per_client_bytes or (
             self.held + nbytes > self.total_bytes
-        ):
+        ) or not self._group_fits(ident, nbytes):
             self.refused += 1
             return False
-        c = self._conns.setdefault(ident, _Conn())
+        c = self._conn(ident)
         c.parked.append((request, nbytes))
         c.parked_bytes += nbytes
+        self._held_change(c, nbytes)
         self._add(nbytes)
         self.waited += 1
         return True
@@ -107,6 +147,7 @@ class ReplyBudget:
         c = self._conns[ident]
         request, nbytes = c.parked.popleft()
         c.parked_bytes -= nbytes
+        self._held_change(c, -nbytes)
         self.held -= nbytes
         self._forget_if_idle(ident, c)
         return request
@@ -120,6 +161,7 @@ class ReplyBudget:
             while c.sent and c.sent[0][0].done:
                 _t, n = c.sent.popleft()
                 c.sent_bytes -= n
+                self._held_change(c, -n)
                 self.held -= n
             self._forget_if_idle(ident, c)
 

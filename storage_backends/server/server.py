@@ -78,6 +78,7 @@ class HiCacheServer:
                         if config.tenants_file else None)
         if self.tenants is not None:
             self.tiers.set_partitions(self.tenants.partitions())
+            self.budget.set_groups(len(self.tenants.partitions()))
         self._server_key = None  # Ed25519PrivateKey: signs hello replies (--server-key)
         if config.server_key:
             from hicache_client.remote.identity import load_private_key
@@ -175,6 +176,7 @@ class HiCacheServer:
         ok, summary = self.tenants.reload()
         if ok:
             self.tiers.set_partitions(self.tenants.partitions())
+            self.budget.set_groups(len(self.tenants.partitions()))
         return ok, summary
 
     def serve_forever(self) -> None:
@@ -307,6 +309,8 @@ class HiCacheServer:
             tenant = self._check_auth(req, self._token_of(req, ident, again))
             if tenant is not None:
                 self._scope(req, tenant)
+                if ident:
+                    self.budget.assign(ident, tenant.tag)  # its replies count in its share
             self._check_keys(req)
             return req
         except P.ProtocolError as e:

@@ -92,7 +92,8 @@ def test_header_bytes_and_list_lengths_are_capped() -> None:
                  max_leaves=16).map(lambda v: msgpack.packb(v, use_bin_type=True)),
     st.fixed_dictionaries({"v": st.integers(0, 8), "t": st.sampled_from(sorted(P.SCHEMAS)),
                            "id": st.integers(-2**63, 2**64 - 1),
-                           "keys": st.lists(st.text(max_size=4) | st.integers(), max_size=3)})
+                           "keys": st.lists(st.text(max_size=4) | st.integers(-2**63, 2**64 - 1),
+                                             max_size=3)})
     .map(lambda v: msgpack.packb(v, use_bin_type=True)),
 ), st.lists(st.binary(max_size=16), max_size=2))
 def test_fuzz_the_wire_decoder_raises_only_protocol_errors(head: bytes,
@@ -254,3 +255,27 @@ def test_json_tenants_file_of_a_good_table_still_loads(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tenants": {"a": {"tokens": ["tenant-a-token-00001"]}}}))
     path.chmod(0o600)
     assert Tenants(path).names() == ["a"]
+
+
+# -- 6: per-tenant reply budgets ---------------------------------------------------------------
+
+
+class _Unread:
+    done = False  # a reply its client never reads: ZeroMQ never finishes with it
+
+
+def test_one_tenants_unread_replies_do_not_make_every_tenant_busy() -> None:
+    from storage_backends.server.budget import ReplyBudget
+
+    mib = 1 << 20
+    budget = ReplyBudget(total_bytes=96 * mib, per_client_bytes=8 * mib)
+    budget.set_groups(2)  # two partitions: 48 MiB each
+    for i in range(12):  # 12 connections of tenant A that never read their get replies
+        ident = f"a-{i}".encode()
+        budget.assign(ident, "tag-a")
+        while budget.fits(ident, 4 * mib):
+            budget.sent(ident, _Unread(), 4 * mib)
+    assert budget.held == 48 * mib  # A's share, not the whole 96 MiB
+    budget.assign(b"b", "tag-b")
+    assert budget.fits(b"b", 8 * mib)  # tenant B is still served
+    assert not budget.park(b"a-0", object(), 1) and budget.park(b"b", object(), 1)
