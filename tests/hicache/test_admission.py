@@ -3,8 +3,6 @@ retention_seconds, priority): which pages reach which tier, exactly."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from hicache.admission import CacheHints, Declined, make_admission
@@ -12,7 +10,6 @@ from hicache.config import HiCacheConfig
 from hicache.hiradix import HiRadixCache
 from hicache.simulation import SimStorage, simulate_request
 from hicache_client.errors import ConfigError
-from tests.hicache.factories import sim_cache, tensor_cache
 
 PS = 4
 
@@ -122,28 +119,6 @@ def test_declined_sketch_is_bounded():
     assert d.count(keys) == 3
     d.discard(keys[4:])
     assert d.count(keys) == 2
-
-
-def test_real_cache_decides_as_the_simulated_one():
-    rng = random.Random(3)
-    stream = []
-    for i in range(120):
-        p = [rng.randrange(4)] * 8 + [rng.randrange(6) for _ in range(rng.randrange(1, 24))]
-        stream.append((str(i), p, [rng.randrange(6) for _ in range(rng.randrange(0, 6))]))
-    for spec in ("reuse:2", "frequency:10"):
-        sim = sim_cache(page_size=4, device_pages=10, host_pages=14, storage_pages=None,
-                        storage_admission=spec)
-        real = tensor_cache(page_size=4, device_pages=10, host_pages=14, synchronous=True,
-                            storage_admission=spec)
-        for rid, p, out in stream:
-            assert simulate_request(sim, rid, p, out) == simulate_request(real, rid, p, out)
-        a, b = sim.stats.as_dict(), real.stats.as_dict()
-        for k in ("prefetch_seconds", "storage_backup_seconds", "prefetch_bytes",
-                  "storage_backup_bytes"):
-            a.pop(k), b.pop(k)
-        assert a == b
-        assert a["storage_declined_pages"] > 0 and a["storage_backup_pages"] > 0
-        real.close()
 
 
 # -- skip_cache_write ----------------------------------------------------------------------------

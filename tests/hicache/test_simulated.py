@@ -6,6 +6,7 @@ import ast
 import pathlib
 import random
 
+import pytest
 import torch
 
 import hicache
@@ -29,15 +30,19 @@ def test_simulated_mode_allocates_no_tensor(monkeypatch):
     assert s.device_hit_tokens and s.host_hit_tokens and s.evicted_tokens
 
 
-def test_simulated_and_real_caches_decide_the_same():
-    """Same request stream, synchronous real cache vs simulated: identical counters."""
+@pytest.mark.parametrize("admission", ["always", "reuse:2", "frequency:10"])
+def test_simulated_and_real_caches_decide_the_same(admission):
+    """Same request stream, synchronous real cache vs simulated: identical counters, under each
+    L3 admission policy (hicache.admission)."""
     rng = random.Random(1)
     stream = []
     for i in range(150):
         prompt = [rng.randrange(4)] * 8 + [rng.randrange(6) for _ in range(rng.randrange(1, 24))]
         stream.append((str(i), prompt, [rng.randrange(6) for _ in range(rng.randrange(0, 6))]))
-    sim = sim_cache(page_size=4, device_pages=10, host_pages=14, storage_pages=None)
-    real = tensor_cache(page_size=4, device_pages=10, host_pages=14, synchronous=True)
+    sim = sim_cache(page_size=4, device_pages=10, host_pages=14, storage_pages=None,
+                    storage_admission=admission)
+    real = tensor_cache(page_size=4, device_pages=10, host_pages=14, synchronous=True,
+                        storage_admission=admission)
     for rid, prompt, out in stream:
         a = simulate_request(sim, rid, prompt, out)
         b = simulate_request(real, rid, prompt, out)
@@ -48,6 +53,7 @@ def test_simulated_and_real_caches_decide_the_same():
         s.pop(k), r.pop(k)
     assert s == r
     assert s["storage_hit_tokens"] > 0 and s["host_hit_tokens"] > 0
+    assert (s["storage_declined_pages"] > 0) == (admission != "always")
 
 
 def _hicache_imports() -> dict[str, set[str]]:
