@@ -52,6 +52,15 @@ CACHE_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Retention requests cut to --max-retention-seconds."),
     ("retention_expired", "retention_expired", "Soft pins (tree nodes) that ran out."),
 )
+# (name without _total, help, label, snapshot key of a dict, the label's values).
+LABELLED_COUNTERS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+    ("storage_hit_outcome_tokens",
+     "Storage-hit tokens by where they went (hicache.stats.STORAGE_HIT_OUTCOMES).",
+     "outcome", "storage_hit_outcomes", STORAGE_HIT_OUTCOMES),
+    ("miss_tokens",
+     "Prompt tokens no cache tier served, by cause (hicache.attribution.MISS_CAUSES).",
+     "cause", "prompt_outcomes", MISS_CAUSES),
+)
 # (gauge name, usage key, help) for pool occupancy.
 USAGE_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("device_pages_total", "device_pages_total", "Pages of the device KV pool."),
@@ -90,24 +99,12 @@ class _CacheCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc)
             c.add_metric([], float(s.get(key, 0)))
             yield c
-        c = CounterMetricFamily(
-            PREFIX + "storage_hit_outcome_tokens",
-            "Storage-hit tokens by where they went (hicache.stats.STORAGE_HIT_OUTCOMES).",
-            labels=["outcome"],
-        )
-        outcomes: Mapping[str, Any] = s.get("storage_hit_outcomes") or {}
-        for outcome in STORAGE_HIT_OUTCOMES:
-            c.add_metric([outcome], float(outcomes.get(outcome, 0)))
-        yield c
-        c = CounterMetricFamily(
-            PREFIX + "miss_tokens",
-            "Prompt tokens no cache tier served, by cause (hicache.attribution.MISS_CAUSES).",
-            labels=["cause"],
-        )
-        attributed: Mapping[str, Any] = s.get("prompt_outcomes") or {}
-        for cause in MISS_CAUSES:
-            c.add_metric([cause], float(attributed.get(cause, 0)))
-        yield c
+        for name, doc, label, key, values in LABELLED_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=[label])
+            got: Mapping[str, Any] = s.get(key) or {}
+            for v in values:  # every value, always: a fixed label set
+                c.add_metric([v], float(got.get(v, 0)))
+            yield c
         c = CounterMetricFamily(PREFIX + "backuped_tokens", "Tokens written to L3 storage.")
         c.add_metric([], float(s.get("storage_backup_pages", 0)) * page)
         yield c

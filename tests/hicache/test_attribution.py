@@ -28,6 +28,18 @@ def seq(base, pages, ps=4):
     return [base * 1000 + i for i in range(pages * ps)]
 
 
+def evicted_then_rerun(c):
+    """Run a 2-page prompt, push it out of device and host with two 4-page ones (backups
+    flushed to L3 between), run it again: its attribution."""
+    a = seq(1, 2)
+    run(c, a)
+    c.flush()
+    run(c, seq(2, 4))
+    run(c, seq(3, 4))
+    c.flush()
+    return run(c, a, "r4")
+
+
 def test_never_seen_then_device_hit_and_partial_page():
     c = sim_cache(page_size=4, device_pages=16, host_pages=0)
     t = seq(1, 3) + [7, 7]  # 3 full pages and a partial one
@@ -66,13 +78,7 @@ def test_evicted_host_before_l3_and_l3_evicted():
 def test_storage_hit_and_below_prefetch_floor():
     c = sim_cache(page_size=4, device_pages=4, host_pages=4, storage_pages=None,
                   write_policy="write_through", synchronous=True, prefetch_threshold=100)
-    a = seq(1, 2)
-    run(c, a)
-    c.flush()
-    run(c, seq(2, 4))
-    run(c, seq(3, 4))
-    c.flush()
-    assert run(c, a, "r4") == {"below_prefetch_floor": 8}
+    assert evicted_then_rerun(c) == {"below_prefetch_floor": 8}
 
 
 def test_other_namespace_and_uncacheable_tail():
@@ -86,14 +92,7 @@ def test_other_namespace_and_uncacheable_tail():
 def test_admission_declined():
     c = sim_cache(page_size=4, device_pages=4, host_pages=4, storage_pages=None,
                   write_policy="write_through", synchronous=True, storage_admission="reuse:3")
-    a = seq(1, 2)
-    run(c, a)
-    c.flush()
-    run(c, seq(2, 4))
-    run(c, seq(3, 4))
-    c.flush()
-    out = run(c, a, "r4")
-    assert out == {"admission_declined": 8}
+    assert evicted_then_rerun(c) == {"admission_declined": 8}
 
 
 def test_off_attributes_nothing():
