@@ -103,6 +103,23 @@ class BlockSink:
         self.output_len.append(req.output_len)
         self.ts.append(req.ts)
 
+    def add(self, blocks: Sequence[int], input_len: int, output_len: int, ts: float) -> None:
+        """`self(req)` of a request's fields, without the `Request` (the reader's fast path)."""
+        extend_ids(self.blocks, blocks, self._big)
+        self.n_blocks.append(len(blocks))
+        self.input_len.append(input_len)
+        self.output_len.append(output_len)
+        self.ts.append(ts)
+
+    def add_many(self, blocks: np.ndarray, n_blocks: np.ndarray, input_len: np.ndarray,
+                 output_len: np.ndarray, ts: np.ndarray) -> None:
+        """`add` of many requests at once (the compiled scanner's arrays; ids below 2**63)."""
+        self.blocks.frombytes(np.ascontiguousarray(blocks, np.int64).tobytes())
+        self.n_blocks.frombytes(np.ascontiguousarray(n_blocks, np.int64).tobytes())
+        self.input_len.frombytes(np.ascontiguousarray(input_len, np.int64).tobytes())
+        self.output_len.frombytes(np.ascontiguousarray(output_len, np.int64).tobytes())
+        self.ts.frombytes(np.ascontiguousarray(ts, np.float64).tobytes())
+
     def __len__(self) -> int:
         return len(self.n_blocks)
 

@@ -15,6 +15,7 @@ trace cannot make the replay run without bound in time or memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from hicache_client.errors import ConfigError, HiCacheError
 from tools.hitrate.sizes import FLOAT_DTYPE_BYTES
@@ -112,15 +115,40 @@ class _LineTooLong(Exception):
     pass
 
 
+def open_trace(path: Path) -> Any:
+    """`path` opened for reading bytes; a gzip (`.gz`, or its magic bytes) or zstd (`.zst`,
+    `.zstd`, or its magic) file is decompressed as it is read (a stream: never whole in
+    memory)."""
+    fh = open(path, "rb")  # noqa: SIM115 - the caller closes it
+    try:
+        magic = fh.read(4)
+        fh.seek(0)
+    except OSError:
+        fh.close()
+        raise
+    if magic[:2] == b"\x1f\x8b":
+        import gzip
+
+        return gzip.GzipFile(fileobj=fh, mode="rb")
+    if magic == b"\x28\xb5\x2f\xfd":
+        import io
+
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(fh, closefd=True))
+    return fh
+
+
 def _iter_lines(
-    path: Path, max_line_bytes: int = MAX_LINE_BYTES, bar: Any = None
-) -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
+    path: Path, max_line_bytes: int = MAX_LINE_BYTES, bar: Any = None, raw_bytes: bool = False
+) -> Iterator[tuple[int, Any]]:
     """Non-blank lines with their 1-based numbers; a line that is not UTF-8 comes as the
     decode error, one longer than `max_line_bytes` as `_LineTooLong` (read past, never held
     whole), so the reader can name (or skip) that very line. `bar`: a tqdm bar in bytes, moved
-    on every 4 MiB read and at the end of the file."""
+    on every 4 MiB read and at the end of the file (decompressed bytes of a compressed file).
+    `raw_bytes`: the lines as bytes, undecoded (the caller decodes what it must)."""
     try:
-        fh = open(path, "rb")  # noqa: SIM115 - closed below
+        fh = open_trace(path)
     except FileNotFoundError:
         raise TraceError(path, None, "no such file") from None
     except IsADirectoryError:
@@ -144,12 +172,46 @@ def _iter_lines(
                 continue
             if not raw.strip():
                 continue
+            if raw_bytes:
+                yield lineno, raw
+                continue
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield lineno, e
         if bar is not None:
             bar.update(unshown)
+
+
+CHUNK_BYTES = 8 << 20  # what the compiled scanner takes at once
+
+
+def _iter_chunks(path: Path, max_line_bytes: int, bar: Any) -> Iterator[tuple[int, bytes]]:
+    """(number of the first line, whole lines) of about `CHUNK_BYTES`; a line longer than
+    `max_line_bytes` is cut after `max_line_bytes + 1` of its bytes and read past (the reader
+    sees it too long, as `_iter_lines` says)."""
+    try:
+        fh = open_trace(path)
+    except FileNotFoundError:
+        raise TraceError(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, None, "is a directory, not a trace file") from None
+    except OSError as e:
+        raise TraceError(path, None, f"cannot open: {e.strerror}") from None
+    with fh:
+        lineno = 1
+        while data := fh.read(CHUNK_BYTES):
+            if not data.endswith(b"\n"):
+                tail = fh.readline(max_line_bytes + 1)
+                data += tail
+                if len(tail) > max_line_bytes and not tail.endswith(b"\n"):
+                    while not tail.endswith(b"\n") and (tail := fh.readline(1 << 20)):
+                        pass
+                    data += b"\n"
+            if bar is not None:
+                bar.update(len(data))
+            yield lineno, data
+            lineno += data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
 
 
 def _bytes_bar(files: Sequence[Path], enabled: bool | None) -> Any:
@@ -161,7 +223,7 @@ def _bytes_bar(files: Sequence[Path], enabled: bool | None) -> Any:
         return None
     from tqdm import tqdm
 
-    total = sum(f.stat().st_size for f in files if f.is_file())
+    total = sum(f.stat().st_size for f in files if f.is_file())  # compressed: an underestimate
     return tqdm(total=total, desc="reading", unit="B", unit_scale=True, file=sys.stderr,
                 mininterval=0.5)
 
@@ -407,6 +469,21 @@ def load_tokenizer(path: str) -> Any:
         raise ConfigError(f"--tokenizer {path}: cannot load a tokenizer: {e}") from None
 
 
+_UNREAD = object()
+_INT_ONLY = {int}
+
+
+def _fast_loads() -> Callable[[bytes], Any] | None:
+    """orjson's `loads` (about 5x json's on a Mooncake line, from bytes), or None without it.
+    It is stricter than json (no NaN, no integer past 64 bits, no lone surrogate): a line it
+    refuses is parsed again by json, whose answer (or error) stands."""
+    try:
+        import orjson
+    except ImportError:  # pragma: no cover - a pinned dependency
+        return None
+    return orjson.loads
+
+
 def read_trace(
     path: str | Path,
     fmt: str = "auto",
@@ -468,33 +545,65 @@ def read_trace(
 
     bar = _bytes_bar(files, progress)
 
-    def lines() -> Iterator[tuple[int, str | UnicodeDecodeError | _LineTooLong]]:
-        nonlocal current
-        try:
-            for f in files:
-                current = f
-                yield from _iter_lines(f, limits.max_line_bytes, bar)
-        finally:
-            if bar is not None:
-                bar.close()
+    fast_loads = _fast_loads()
+    add: Any = getattr(sink, "add", None)  # a sink that takes a Mooncake line's fields directly
+    add_many: Any = getattr(sink, "add_many", None)  # ... and the scanner's arrays of them
+    scanning = add_many is not None and fmt in ("auto", "mooncake")
+    ids = np.empty(0, np.int64)
+    meta = np.empty((1 << 16 if scanning else 1, 8), np.int64)
+    mc = False  # the Mooncake fast paths are on (format known, raw ids to a sink with add)
+    max_tokens = limits.max_request_tokens
+    max_blocks = -(-max_tokens // block_size)
+    max_ts = limits.max_timestamp_s
 
-    for lineno, line in lines():
-        if limit is not None and count >= limit:
-            break
-        if isinstance(line, UnicodeDecodeError):
-            reject(lineno, f"not UTF-8 text ({line.reason})")
-            continue
-        if isinstance(line, _LineTooLong):
-            reject(lineno, f"{line} (--max-line-bytes)")
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            reject(lineno, f"malformed JSON ({e.msg} at column {e.colno})")
-            continue
-        except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, deep nesting
-            reject(lineno, f"malformed JSON ({str(e).split(':')[0]})")
-            continue
+    def one(lineno: int, raw: Any) -> None:
+        """One line (bytes, or `_LineTooLong`) read the ordinary way."""
+        nonlocal count, reader, mc
+        if not isinstance(raw, _LineTooLong) and len(raw) > limits.max_line_bytes:
+            raw = _LineTooLong(f"line longer than {limits.max_line_bytes:,} bytes")
+        if isinstance(raw, _LineTooLong):
+            reject(lineno, f"{raw} (--max-line-bytes)")
+            return
+        if not raw.strip():
+            return
+        obj = _UNREAD
+        if fast_loads is not None:
+            with contextlib.suppress(ValueError):  # json's own error, or wider grammar, below
+                obj = fast_loads(raw)
+        if mc and type(obj) is dict:
+            # A Mooncake line the checks of `_Reader._mooncake` and `detect_format` pass, taken
+            # in one pass: anything else goes the long way and gets its exact error.
+            h = obj.get("hash_ids")
+            il = obj.get("input_length")
+            ol = obj.get("output_length")
+            ts = obj.get("timestamp", 0)
+            tt = type(ts)
+            if (type(h) is list and type(il) is int and type(ol) is int
+                    and 0 <= il <= max_tokens and 0 <= ol <= max_tokens
+                    and len(h) <= max_blocks
+                    and (not h or (set(map(type, h)) == _INT_ONLY and min(h) >= 0))
+                    and (il == 0 or block_size * (len(h) - 1) < il <= block_size * len(h))
+                    and (tt is int or tt is float or ts is None)
+                    and (ts is None or 0 <= ts * 1e-3 < max_ts)
+                    and "chunk_hashes" not in obj and "input_ids" not in obj
+                    and "messages" not in obj and "prompt" not in obj):
+                add(h, il, ol, 0.0 if ts is None else float(ts) * 1e-3)
+                count += 1
+                return
+        if obj is _UNREAD:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                reject(lineno, f"not UTF-8 text ({e.reason})")
+                return
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                reject(lineno, f"malformed JSON ({e.msg} at column {e.colno})")
+                return
+            except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, deep nesting
+                reject(lineno, f"malformed JSON ({str(e).split(':')[0]})")
+                return
         if reader is None:
             detected = detect_format(obj)
             use = fmt if fmt != "auto" else detected
@@ -505,26 +614,84 @@ def read_trace(
                     f"cannot detect the trace format from this line (keys {keys}); "
                     f"pass --format ({', '.join(FORMATS)})",
                 )
-                continue
+                return
             reader = _Reader(use, block_size, tokenizer, add_generation_prompt, limits)
             reader.raw_ids = sink is not None and use == "mooncake"
+            mc = reader.raw_ids and add is not None
         if not isinstance(obj, dict):
             reject(lineno, f"expected a JSON object, got {type(obj).__name__}")
-            continue
+            return
         detected = detect_format(obj)
         if detected is not None and detected != reader.fmt:
             reject(lineno, f"looks like a {detected} record, not {reader.fmt}")
-            continue
+            return
         try:
             req = reader.parse(obj, count)
         except (ValueError, TypeError, KeyError) as e:
             reject(lineno, f"bad {reader.fmt} record: {e}")
-            continue
+            return
         count += 1
         if sink is not None and req.blocks is not None:
             sink(req)
         else:
             requests.append(req)
+
+    def chunk(lineno: int, data: bytes) -> bool:
+        """The whole lines `data` from line `lineno` on, by the compiled scanner while the
+        Mooncake fast path is on; False once `limit` requests are read."""
+        nonlocal count, ids
+        from tools.hitrate import scan
+
+        buf = np.frombuffer(data, np.uint8)
+        if len(ids) < len(buf) // 2 + 16:
+            ids = np.empty(len(buf) // 2 + 16, np.int64)
+        pos = 0
+        while pos < len(buf):
+            r, _ = scan.scan_chunk(buf[pos:], scan.KEYS, ids, meta, max_tokens, max_blocks,
+                                   block_size, max_ts, limits.max_line_bytes)
+            st = meta[:r, 0]
+            slow = np.flatnonzero(st != scan.OK)
+            i = 0
+            while i < r:
+                if limit is not None and count >= limit:
+                    return False
+                if mc and st[i] == scan.OK:
+                    j = int(slow[np.searchsorted(slow, i)]) if len(slow) and slow[-1] > i else r
+                    if limit is not None:
+                        j = min(j, i + limit - count)
+                    m = meta[i:j]
+                    add_many(ids[m[0, 3]: m[-1, 3] + m[-1, 4]], m[:, 4], m[:, 5], m[:, 6],
+                             m[:, 7] * 1e-3)
+                    count += j - i
+                    i = j
+                    continue
+                if st[i] != scan.BLANK:
+                    one(lineno + i, data[pos + int(meta[i, 1]): pos + int(meta[i, 2]) + 1])
+                i += 1
+            lineno += r
+            pos += int(meta[r - 1, 2]) + 1
+        return True
+
+    try:
+        for f in files:
+            current = f
+            if scanning:
+                for lineno, data in _iter_chunks(f, limits.max_line_bytes, bar):
+                    if not chunk(lineno, data):
+                        break
+                else:
+                    continue
+                break
+            for lineno, raw in _iter_lines(f, limits.max_line_bytes, bar, raw_bytes=True):
+                if limit is not None and count >= limit:
+                    break
+                one(lineno, raw)
+            else:
+                continue
+            break
+    finally:
+        if bar is not None:
+            bar.close()
     if reader is None:
         if bad:
             raise TraceError(path, None, f"no valid line ({bad} bad lines skipped)")
