@@ -72,6 +72,10 @@ class HiCacheServer:
         self.store, self.persist = self.tiers.store, self.tiers.persist
         self.budget = ReplyBudget(config.reply_budget_bytes, config.client_reply_budget_bytes)
         self.shm = ShmAttachments(config.shm_max_bytes)
+        if self.tiers.arena is not None:
+            st = os.stat(self.tiers.arena.path)
+            self.shm.forbidden = frozenset({(st.st_dev, st.st_ino)})
+        self._tag = ""  # the tenant of the request being run (`_parse`)
         self._token = config.auth_token.encode() if config.auth_token else None
         self._admin_token = config.admin_token.encode() if config.admin_token else None
         self.tenants = (Tenants(config.tenants_file, config.admin_token)
@@ -307,6 +311,9 @@ class HiCacheServer:
             req = P.decode(frames, expect="request", limits=self.limits)
             assert isinstance(req, P.Request)
             tenant = self._check_auth(req, self._token_of(req, ident, again))
+            # The request's tenant, for what it runs on next (`_run` follows each `_parse`):
+            # a region is its attacher's tenant's alone.
+            self._tag = tenant.tag if tenant is not None else ""
             if tenant is not None:
                 self._scope(req, tenant)
                 if ident:
@@ -550,19 +557,19 @@ class HiCacheServer:
             return P.MapStoreReply(request_id=rid, name=arena.name, size=arena.size,
                                    arena_id=arena.id)
         if isinstance(req, P.ShmGetRequest):
-            region = self.shm.region(ident, rid)
+            region = self.shm.region(ident, rid, self._tag)
             lengths = copy_out(region, req, self.tiers.lookup(keys, ident), self.tiers.view)
             self._page_bytes("shm_page_bytes_out", sum(
                 n for n, c in zip(lengths, req.capacities) if 0 <= n <= c
             ))
             return P.ShmGetReply(request_id=rid, lengths=lengths)
         if isinstance(req, P.ShmSetRequest):
-            region = self.shm.region(ident, rid)
+            region = self.shm.region(ident, rid, self._tag)
             records = records_in(region, req, self.config.max_frame_bytes)
             self._page_bytes("shm_page_bytes_in", sum(req.lengths))
             return P.SetReply(request_id=rid, stored=self.tiers.set(keys, records, transient=True))
         if isinstance(req, P.AttachShmRequest):
-            self.shm.attach(ident, req.name, req.size, rid)
+            self.shm.attach(ident, req.name, req.size, rid, self._tag)
             return P.AttachShmReply(request_id=rid)
         if isinstance(req, P.DetachShmRequest):
             self.shm.detach(ident)

@@ -42,25 +42,37 @@ def _refuse(message: str, rid: int) -> P.ProtocolError:
 class Region:
     """One client's mapped region."""
 
-    def __init__(self, name: str, size: int, rid: int) -> None:
+    def __init__(self, name: str, size: int, rid: int, forbidden: frozenset[tuple[int, int]] = frozenset(),
+                 owner: str = "") -> None:
         if not _NAME.fullmatch(name) or name.startswith("."):
             raise _refuse(f"shm name {name!r} is not a plain file name", rid)
         if size <= 0:
             raise _refuse(f"shm size {size} must be > 0", rid)
         path = os.path.join(SHM_DIR, name)
+        # NOTE: the refusals below say nothing of the file (whether it exists, its owner, mode
+        # or size: a TCP client could map /dev/shm with them); the reason is logged at DEBUG.
+        refused = _refuse(f"shm region {name!r} cannot be attached: a private (0600) file of "
+                          "this server's user, of the size offered, that is no file of the "
+                          "server's own", rid)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
-            raise _refuse(f"cannot open {path}: {e.strerror}", rid) from None
+            logger.debug("shm attach refused: cannot open %s: %s", path, e.strerror)
+            raise refused from None
         try:
-            problem = private_file_problem(os.fstat(fd), size)
+            st = os.fstat(fd)
+            problem = private_file_problem(st, size)
+            if problem is None and (st.st_dev, st.st_ino) in forbidden:
+                problem = "is the server's own shared-memory store"
             if problem is not None:
-                raise _refuse(f"{path} {problem}", rid)
+                logger.debug("shm attach refused: %s %s", path, problem)
+                raise refused
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
+        self.owner = owner  # the tenant (partition tag) that attached it; "" without tenants
         self.name = name
         self.size = size
         self.view = memoryview(self.mm)
@@ -101,6 +113,9 @@ class ShmAttachments:
         self.max_bytes = max_bytes
         self._regions: OrderedDict[bytes, Region] = OrderedDict()
         self.mapped_bytes = 0
+        # (st_dev, st_ino) of files no client may attach: the server's own store (mapped as a
+        # region it would let a data token read and overwrite every page without a key).
+        self.forbidden: frozenset[tuple[int, int]] = frozenset()
         self.counters = {
             "shm_attached": 0,  # attaches accepted over the server's life
             "shm_refused": 0,  # attaches refused
@@ -114,13 +129,13 @@ class ShmAttachments:
     def __len__(self) -> int:
         return len(self._regions)
 
-    def attach(self, ident: bytes, name: str, size: int, rid: int) -> None:
+    def attach(self, ident: bytes, name: str, size: int, rid: int, owner: str = "") -> None:
         try:
             if not self.enabled:
                 raise _refuse("this server does not accept shared memory (--no-shm)", rid)
             if size > self.max_bytes:
                 raise _refuse(f"shm size {size} is over --shm-max-bytes {self.max_bytes}", rid)
-            region = Region(name, size, rid)
+            region = Region(name, size, rid, self.forbidden, owner)
         except P.ProtocolError:
             self.counters["shm_refused"] += 1
             raise
@@ -144,9 +159,11 @@ class ShmAttachments:
         region.close()
         return True
 
-    def region(self, ident: bytes, rid: int) -> Region:
+    def region(self, ident: bytes, rid: int, owner: str = "") -> Region:
+        """The region connection `ident` attached, for a request of tenant `owner` (another
+        tenant's connection under the same routing id gets none)."""
         region = self._regions.get(ident)
-        if region is None:
+        if region is None or region.owner != owner:
             raise _refuse("no shm region attached to this connection", rid)
         self._regions.move_to_end(ident)
         region.check_size(rid)

@@ -32,7 +32,8 @@ TENANTS = '[tenants.a]\ntokens = ["tenant-a-token-00001"]\n'
 
 @contextlib.contextmanager
 def server(**kw: Any) -> Iterator[HiCacheServer]:
-    srv = HiCacheServer(ServerConfig(port=0, capacity_bytes=64 << 20, shm_max_bytes=0, **kw))
+    srv = HiCacheServer(ServerConfig(**{"port": 0, "capacity_bytes": 64 << 20,
+                                        "shm_max_bytes": 0, **kw}))
     try:
         yield srv
     finally:
@@ -279,3 +280,57 @@ def test_one_tenants_unread_replies_do_not_make_every_tenant_busy() -> None:
     budget.assign(b"b", "tag-b")
     assert budget.fits(b"b", 8 * mib)  # tenant B is still served
     assert not budget.park(b"a-0", object(), 1) and budget.park(b"b", object(), 1)
+
+
+# -- 3, 4: shared-memory regions ---------------------------------------------------------------
+
+
+def test_a_data_token_cannot_attach_the_servers_own_store_as_its_region() -> None:
+    from storage_backends.server.arena import supported
+
+    if not supported():
+        pytest.skip("the shared-memory store needs x86-64")
+    with server(auth_token=TOKEN, shm_max_bytes=1 << 30, shm_store_bytes=8 << 20) as srv:
+        store = srv.handle(P.encode(P.MapStoreRequest(request_id=1, token=TOKEN)), b"c")
+        assert isinstance(store, P.MapStoreReply)
+        reply = srv.handle(P.encode(P.AttachShmRequest(request_id=2, token=TOKEN,
+                                                       name=store.name, size=store.size)), b"c")
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.NO_SHM
+        assert reply.request_id == 2
+        # The refusal reads as one for a file that is not there: no /dev/shm facts.
+        absent = srv.handle(P.encode(P.AttachShmRequest(
+            request_id=3, token=TOKEN, name=f"hicache-absent-{os.getpid()}", size=store.size)),
+            b"c")
+        assert isinstance(absent, P.ErrorReply)
+        assert absent.message == reply.message.replace(store.name, f"hicache-absent-{os.getpid()}")
+        dump = srv.handle(P.encode(P.ShmGetRequest(request_id=4, token=TOKEN, keys=["k"],
+                                                   offsets=[0], capacities=[16])), b"c")
+        assert isinstance(dump, P.ErrorReply) and dump.code == P.ErrorCode.NO_SHM
+
+
+def test_a_region_is_its_tenants_not_its_routing_ids(tmp_path: Path) -> None:
+    from hicache_client.remote.shm import ClientRegion
+
+    tok_a, tok_b = "tenant-a-token-00001", "tenant-b-token-00001"
+    path = tmp_path / "t.toml"
+    path.write_text(f'[tenants.a]\ntokens = ["{tok_a}"]\n[tenants.b]\ntokens = ["{tok_b}"]\n')
+    path.chmod(0o600)
+    region = ClientRegion(1 << 16)
+    try:
+        with server(tenants_file=str(path), shm_max_bytes=1 << 30) as srv:
+            ident = b"routing-id-of-b"
+            assert isinstance(srv.handle(P.encode(P.AttachShmRequest(
+                request_id=1, token=tok_b, name=region.name, size=region.size)), ident),
+                P.AttachShmReply)
+            # B's connection dies without detach_shm; A connects with B's routing id.
+            for req in (P.ShmGetRequest(request_id=2, token=tok_a, keys=["k"], offsets=[0],
+                                        capacities=[16]),
+                        P.ShmSetRequest(request_id=3, token=tok_a, keys=["k"], offsets=[0],
+                                        lengths=[16])):
+                reply = srv.handle(P.encode(req), ident)
+                assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.NO_SHM
+            mine = srv.handle(P.encode(P.ShmGetRequest(request_id=4, token=tok_b, keys=["k"],
+                                                       offsets=[0], capacities=[16])), ident)
+            assert isinstance(mine, P.ShmGetReply) and mine.lengths == [-1]
+    finally:
+        region.close()
