@@ -189,6 +189,22 @@ class PageStore:
             need -= nbytes(v)
         return victims if need <= 0 else None
 
+    def _reserving(self, key: str, keep: Any) -> Any:
+        """`keep`, plus: when the partitions' quotas sum to at most the capacity, each quota
+        is a reservation: another partition's page never evicts a capped partition's (which
+        its quota keeps within its share; only its own pages evict each other)."""
+        quotas = self.quotas
+        if not quotas or not self.partition_chars or not self.capacity_bytes \
+                or sum(quotas.values()) > self.capacity_bytes:
+            return keep
+        pc, mine = self.partition_chars, key[:self.partition_chars]
+
+        def reserved(k: str, v: Value) -> bool:
+            part = k[:pc]
+            return (part != mine and part in quotas) or (keep is not None and keep(k, v))
+
+        return reserved
+
     def partition_bytes(self, partition: str) -> int:
         """Bytes held in memory by one partition (a tenant's tag)."""
         with self._lock:
@@ -249,6 +265,7 @@ class PageStore:
             self.counters.quota_evictions += len(quota_dropped)
             old = self._lru.pop(key)
             keep = self._keep if self.pins or self.leases.counters["read_leases"] else None
+            keep = self._reserving(key, keep)
             dropped = self._lru.make_room(size, keep)
             if dropped is None:  # only pinned or leased pages could make room: refused
                 if old is not None:

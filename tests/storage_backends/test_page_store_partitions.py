@@ -132,3 +132,27 @@ def test_a_partition_cap_evicts_its_own_least_recently_used_pages() -> None:
     assert store.put(a[5], bytes(4 * rec)) == (False, [])
     assert set(store.lru_order()) == {b[0], b[1], b[2], a[0], a[3], a[4]}
     _check(store, 16)
+
+
+def test_caps_that_sum_below_the_capacity_are_reservations() -> None:
+    """Issue 46: an uncapped tenant's flood evicted all of a capped tenant's pages while it
+    was under its cap; with the caps summing below --capacity, a cap is a reservation."""
+    rec = len(_record(NS_A, "x", 16))
+    store = PageStore(8 * rec, partition_chars=16)
+    store.quotas = {TAG_A: 3 * rec}  # 3 of the 8 reserved for A; B (uncapped) has 5
+    a = [f"{TAG_A}{i:064x}" for i in range(4)]
+    b = [f"{TAG_B}{i:064x}" for i in range(40)]
+    for k in a[:3]:
+        assert store.put(k, _record(NS_A, k, 16)) == (True, [])
+    for k in b:  # B's flood: it evicts only its own pages
+        stored, evicted = store.put(k, _record(NS_B, k, 16))
+        assert stored and all(e.startswith(TAG_B) for e in evicted)
+    assert store.partition_bytes(TAG_A) == 3 * rec and store.partition_bytes(TAG_B) == 5 * rec
+    assert all(v is not None for v in store.peek(a[:3]))
+    # A past its cap evicts its own least recently used page, as before.
+    assert store.put(a[3], _record(NS_A, a[3], 16)) == (True, [a[0]])
+    # Caps summing past the capacity reserve nothing: the shared LRU decides.
+    store.quotas = {TAG_A: 3 * rec, TAG_B: 6 * rec}
+    stored, evicted = store.put(b[0], _record(NS_B, b[0], 16))
+    assert stored and evicted == [a[1]]
+    _check(store, 16)
