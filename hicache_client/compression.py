@@ -347,3 +347,8 @@ def compression_of(blob: Any) -> int:
     if len(b) < _PRE.size or b[0] != BLOB_MAGIC:
         raise StorageCorrupt("not a compressed page")
     return int(b[1])
+
+
+# Ratios measured on SmolLM2-135M-Instruct's bf16 KV (benchmarks/bench_codecs.py,
+# benchmarks/results/codecs-2026-12-07): what `hicache-hitrate --codec NAME` divides L3 bytes by.
+MEASURED_RATIO: dict[str, float] = {"none": 1.0, "lossless": 1.45, "fp8": 1.94, "int4": 3.6}

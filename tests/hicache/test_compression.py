@@ -179,3 +179,22 @@ def test_unknown_compression_id_is_a_miss():
     struct.pack_into("<Q", rec, HEADER_BYTES - 8, checksum_v2(rec, rec[HEADER_BYTES:]))
     with pytest.raises(StorageCorrupt, match="compression 77"):
         c.decode_into(bytes(rec), "k", u8(torch.empty(SHAPE, dtype=torch.bfloat16)))
+
+
+def test_hitrate_storage_bytes_per_token_follow_the_codec():
+    import argparse
+
+    from tools.hitrate.inputs import storage_kv_bytes
+
+    def ns(**kw):
+        return argparse.Namespace(**{"codec": None, "codec_ratio": None, **kw})
+
+    assert storage_kv_bytes(ns(), 1000.0) == 1000.0
+    assert storage_kv_bytes(ns(codec="none"), 1000.0) == 1000.0
+    assert storage_kv_bytes(ns(codec_ratio=4.0), 1000.0) == 250.0
+    from hicache_client.compression import MEASURED_RATIO
+
+    assert storage_kv_bytes(ns(codec="lossless"), 1000.0) == 1000.0 / MEASURED_RATIO["lossless"]
+    for bad in (ns(codec="zip"), ns(codec="fp8", codec_ratio=2.0), ns(codec_ratio=0.0)):
+        with pytest.raises(ConfigError):
+            storage_kv_bytes(bad, 1000.0)

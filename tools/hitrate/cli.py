@@ -18,7 +18,7 @@ from typing import Any
 
 from hicache_client.errors import ConfigError
 from tools.hitrate.cost import ttft_saved
-from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command
+from tools.hitrate.inputs import kv_bytes_option, read_arrays, run_command, storage_kv_bytes
 from tools.hitrate.options import build_parser
 from tools.hitrate.sizes import to_pages
 from tools.hitrate.sweep import parse_sizes, run_sweep
@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if kvb is None and trace.kv_bytes_per_token:
         kvb = trace.kv_bytes_per_token
         notes.append(f"kv bytes per token {kvb:g} taken from the lmcache log's shapes/dtypes")
-    pages = {f: to_pages(specs[f], page_size, kvb, f"--{f}") for f in specs}
+    l3kvb = storage_kv_bytes(args, kvb)  # --codec / --codec-ratio: L3 bytes hold more tokens
+    pages = {f: to_pages(specs[f], page_size, l3kvb if f == "storage" else kvb, f"--{f}")
+             for f in specs}
     tiers = TierConfig(
         page_size=page_size,
         device_pages=pages["device"],
@@ -221,8 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sweep_rows = None
     if sweeping:
         t0 = time.perf_counter()
-        grid = {f: [to_pages(sp, page_size, kvb, f"--{f}") for sp in grid_specs[f]]
-                for f in grid_specs}
+        grid = {f: [to_pages(sp, page_size, l3kvb if f == "storage" else kvb, f"--{f}")
+                    for sp in grid_specs[f]] for f in grid_specs}
         sweep_rows = run_sweep(
             arrs, tiers, grid, policies, kvb=kvb, prefill_tokens_per_s=args.prefill_tokens_per_s,
             host_bandwidth=args.host_bandwidth, storage_bandwidth=args.storage_bandwidth,
@@ -257,6 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "host_bytes": cap_bytes(tiers.host_pages),
             "storage_bytes": cap_bytes(tiers.storage_pages),
             "kv_bytes_per_token": kvb,
+            "storage_kv_bytes_per_token": l3kvb,
             "model": args.model or args.model_path,
             "kv_dtype": args.kv_dtype,
             "tp": args.tp,

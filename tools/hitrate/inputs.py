@@ -16,6 +16,22 @@ from tools.hitrate.sizes import kv_bytes_from_model
 from tools.hitrate.traces import Limits
 
 
+def storage_kv_bytes(args: argparse.Namespace, kvb: float | None) -> float | None:
+    """KV bytes per token in L3: `kvb` over the ratio of --codec or --codec-ratio."""
+    name, ratio = getattr(args, "codec", None), getattr(args, "codec_ratio", None)
+    if name and ratio:
+        raise ConfigError("--codec and --codec-ratio both give the L3 compression: pass one")
+    if name:
+        from hicache_client.compression import MEASURED_RATIO
+
+        if name not in MEASURED_RATIO:
+            raise ConfigError(f"unknown --codec {name!r}; known: {', '.join(MEASURED_RATIO)}")
+        ratio = MEASURED_RATIO[name]
+    if ratio is not None and ratio <= 0:
+        raise ConfigError(f"--codec-ratio must be > 0, got {ratio}")
+    return kvb / ratio if kvb and ratio else kvb
+
+
 def kv_bytes_option(args: argparse.Namespace) -> float | None:
     """KV bytes per token from --kv-bytes-per-token, --model or --model-path (at most one)."""
     given = [f for f in ("kv_bytes_per_token", "model", "model_path") if getattr(args, f, None)]

@@ -242,6 +242,21 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(g: Any) -> None:
     """The flags giving KV bytes per token (shared with `hicache-hitrate plan`)."""
     g.add_argument(
+        "--codec",
+        metavar="NAME",
+        help="the L3 KV compression (none, lossless, fp8, int4; --hicache-storage-codec): "
+        "--storage bytes hold its measured ratio more tokens (hicache_client/compression.py "
+        "MEASURED_RATIO, bf16 KV of SmolLM2-135M); lossy ones change the model's outputs "
+        "(docs/storage.md)",
+    )
+    g.add_argument(
+        "--codec-ratio",
+        type=float,
+        metavar="X",
+        help="the L3 compression ratio instead of --codec's measured one: --storage bytes "
+        "hold X times the tokens",
+    )
+    g.add_argument(
         "--kv-bytes-per-token",
         type=float,
         metavar="N",

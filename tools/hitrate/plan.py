@@ -174,7 +174,7 @@ def choose(points: list[dict[str, Any]], args: argparse.Namespace) -> int | None
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tools.hitrate import fast
-    from tools.hitrate.inputs import kv_bytes_option, read_arrays
+    from tools.hitrate.inputs import kv_bytes_option, read_arrays, storage_kv_bytes
     from tools.hitrate.simulate import TierConfig, replay_arrays
 
     kinds = _validate(args)
@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ps = arrs.page_size
     dev = to_pages(specs["device"][0], ps, kvb, "--device")
     hosts = sorted({to_pages(s, ps, kvb, "--host") for s in specs["host"]})  # type: ignore[type-var]
-    stos = sorted({to_pages(s, ps, kvb, "--storage") for s in specs["storage"]})  # type: ignore[type-var]
+    l3kvb = storage_kv_bytes(args, kvb)  # --codec / --codec-ratio
+    stos = sorted({to_pages(s, ps, l3kvb, "--storage") for s in specs["storage"]})  # type: ignore[type-var]
     assert dev is not None
     if any(s for s in stos) and not kinds:
         raise ConfigError("plan: --storage sizes above 0 need --nvme-price-per-gib and/or "
