@@ -334,3 +334,22 @@ def test_a_region_is_its_tenants_not_its_routing_ids(tmp_path: Path) -> None:
             assert isinstance(mine, P.ShmGetReply) and mine.lengths == [-1]
     finally:
         region.close()
+
+
+# -- 2: memory a page holds beyond its record -------------------------------------------------
+
+
+def test_huge_keys_are_refused_so_uncounted_key_bytes_stay_small() -> None:
+    from storage_backends.server.server import MAX_KEY_CHARS
+
+    with server() as srv:
+        big = "k" * (1 << 20)  # 100 such keys of empty pages held 403 MiB counted as 0
+        for req in (P.SetRequest(request_id=9, keys=[big], frames=[b""]),
+                    P.GetRequest(request_id=10, keys=[big])):
+            reply = srv.handle(P.encode(req))
+            assert isinstance(reply, P.ErrorReply) and reply.code == P.ErrorCode.TOO_LARGE
+            assert reply.request_id == req.request_id
+        assert srv.store.pages == 0
+        ok = srv.handle(P.encode(P.SetRequest(request_id=11, keys=["k" * MAX_KEY_CHARS],
+                                              frames=[b"x" * 200])))
+        assert isinstance(ok, P.SetReply) and ok.stored == [True]
