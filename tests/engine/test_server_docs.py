@@ -394,8 +394,9 @@ def test_model_path_names_and_missing_paths(tmp_path: Path) -> None:
         proc.start()
         assert proc.proc.wait(timeout=120) == 2
         want = (f"hicache-engine: error: {flags[0]} {tmp_path / 'no-such-model'}: no such file "
-                "or directory (give a local Hugging Face checkpoint directory, a demo model: "
-                "hicache-demo, hicache-demo-mla, or, with --load-format dummy, a shipped config:")
+                "or directory (give a local Hugging Face checkpoint directory or GGUF file, a "
+                "model name: smollm2-135m-instruct, hicache-demo, hicache-demo-mla, or, with "
+                "--load-format dummy, a shipped config:")
         assert want in proc.log(), proc.log()[-2000:]
         assert "Repo id" not in proc.log() and "Traceback" not in proc.log()
         (tmp_path / "missing.log").unlink()
