@@ -207,6 +207,9 @@ def resolve_prompt(a: argparse.Namespace) -> Prompt:
             ids = [int(t) for t in a.token_ids.replace(",", " ").split()]
         except ValueError:
             raise AdminError("--token-ids: give integers, e.g. 1,2,3") from None
+        bad = next((t for t in ids if not 0 <= t < 1 << 32), None)
+        if bad is not None:  # page keys hash token ids as 32-bit unsigned integers
+            raise AdminError(f"--token-ids: {bad} is not a token id (0 to {(1 << 32) - 1})")
     elif a.model is not None:
         from engine.demo_model import resolve_model_path
         from engine.tokenizer import load_tokenizer
@@ -409,6 +412,8 @@ def _positive_int(what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{what}: an integer, not {text!r}") from None
         if n <= 0:
             raise argparse.ArgumentTypeError(f"{what} must be > 0, got {n}")
+        if n >= 1 << 31:  # ZeroMQ's poll takes a C int of milliseconds
+            raise argparse.ArgumentTypeError(f"{what} must be below {1 << 31}, got {n}")
         return n
     return parse
 

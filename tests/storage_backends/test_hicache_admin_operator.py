@@ -192,6 +192,11 @@ def test_hicache_admin_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     for bad in ("http://127.0.0.1:8000", "tcp://127.0.0.1", "127.0.0.1:7480"):
         one_line_error(admin(bad, "stats"), 2, "--url: ")
     one_line_error(admin(url, "--timeout-ms", "0", "stats"), 2, "--timeout-ms must be > 0")
+    # Issue 46: these traced back.
+    one_line_error(admin(url, "--timeout-ms", "99999999999999", "stats"), 2,
+                   "--timeout-ms must be below 2147483648")
+    one_line_error(admin(url, "pin", "--token-ids", "99999999999", *ns, "--page-size", "1"), 1,
+                   "--token-ids: 99999999999 is not a token id")
 
 
 def test_hicache_admin_output_into_a_closed_pipe(tmp_path: Path) -> None:
