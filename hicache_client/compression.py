@@ -229,11 +229,9 @@ def _torch() -> Any:
 _TORCH_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
-class Fp8(KVCompression):
-    """float8 e4m3, one fp16 scale (amax / 448) per row of the last dimension."""
+class _Lossy(KVCompression):
+    """A lossy compression: torch (the engine's) does the arithmetic."""
 
-    name = "fp8"
-    id = 2
     exact = False
     dtypes = tuple(WIDTHS)
 
@@ -241,6 +239,13 @@ class Fp8(KVCompression):
         super().__init__(dtype, threads=threads)
         self._t = _torch()
         self._tdt = getattr(self._t, _TORCH_DTYPE[dtype])
+
+
+class Fp8(_Lossy):
+    """float8 e4m3, one fp16 scale (amax / 448) per row of the last dimension."""
+
+    name = "fp8"
+    id = 2
 
     @property
     def params(self) -> dict[str, Any]:
@@ -272,19 +277,12 @@ class Fp8(KVCompression):
         dst.copy_(q.float() * scale)
 
 
-class Int4(KVCompression):
+class Int4(_Lossy):
     """Asymmetric int4 in groups of 32 along the last dimension: x ~ (q - zero) * scale with an
     fp16 scale and a 4-bit zero point per group; the packed bytes then zstd-1."""
 
     name = "int4"
     id = 3
-    exact = False
-    dtypes = tuple(WIDTHS)
-
-    def __init__(self, dtype: str, *, threads: int = 1) -> None:
-        super().__init__(dtype, threads=threads)
-        self._t = _torch()
-        self._tdt = getattr(self._t, _TORCH_DTYPE[dtype])
 
     @property
     def params(self) -> dict[str, Any]:
