@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="TOML (or .json) file of tenants: each token's tenant, partition and rights (read, "
         "write, clear), and optionally the partition's cap in memory (max_bytes: past it the "
-        "partition evicts its own pages, never another's); the server keys every page by its "
+        "partition evicts its own pages, never another's; with the caps summing to at most "
+        "--capacity each is a reservation too); the server keys every page by its "
         "tenant's partition, so no tenant reads, "
         "probes, overwrites or clears another's (docs/security.md). Read again on SIGHUP and by "
         "`hicache-admin reload-tenants`. Excludes --auth-token; turns the shared-memory store off "
@@ -309,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_REPLY_BUDGET),
         help="most bytes held for all clients together beyond the page store: replies not yet "
         "written to a socket plus requests waiting for room (default 1GiB). Server memory "
-        "stays within --capacity plus this",
+        "stays within --capacity plus this. With tenants, each partition's connections together "
+        "hold at most this divided among the partitions",
     )
     p.add_argument(
         "--client-reply-budget",
