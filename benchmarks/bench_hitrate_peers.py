@@ -21,6 +21,16 @@ sequence (`page_lru`), hit for hit. Its trace is written as an oracleGeneral bin
 child that is not timed.
 
     python benchmarks/bench_hitrate_peers.py [--scales 10,30] [--before 5e30887] [--verify 2]
+
+`--default-command` times instead what a new user runs first (issue 49): `hicache-hitrate TRACE
+--device Np --mrc --mrc-points 15 --json` (N: `--device-pages`), cold (its own empty
+NUMBA_CACHE_DIR: every compiled function compiled in that run, as on the first run after
+`pip install`) then warm (the same folder, filled), beside `kvcache-simulator run --trace TRACE
+--model M --block-size 512 --format json` (scales up to `--peer-max-scale`) and libCacheSim's
+LRU at our 15 curve capacities (hits compared with our curve's page LRU), wall, CPU, peak RSS
+and the load average before each run:
+
+    python benchmarks/bench_hitrate_peers.py --default-command --scales 1,30,300 --dir /tmp
 """
 
 from __future__ import annotations
@@ -213,6 +223,77 @@ def sample_errors(trace: str) -> list[dict[str, Any]]:
     return out
 
 
+def default_command(args: argparse.Namespace, peer: str) -> dict[str, Any]:
+    """`--default-command`: the report (see the module's doc)."""
+    report: dict[str, Any] = {"benchmark": "hitrate_peers_default_command", "machine": host(),
+                              "model": args.model, "device_pages": args.device_pages,
+                              "runs": []}
+    cli = [sys.executable, "-m", "tools.hitrate.cli"]
+    for scale in [int(x) for x in args.scales.split(",")]:
+        trace = TRACE
+        if scale > 1:
+            trace = Path(args.dir) / f"mooncake_x{scale}.jsonl"
+            if not trace.exists():
+                build_trace(TRACE, scale, trace.with_suffix(".part"))
+                trace.with_suffix(".part").rename(trace)
+        run: dict[str, Any] = {"scale": scale, "trace": str(trace)}
+        with tempfile.TemporaryDirectory(prefix="hitrate-numba-") as cache:
+            os.environ["NUMBA_CACHE_DIR"] = cache
+            out = Path(cache) / "ours.json"
+            for label in ("cold", "warm"):
+                load = os.getloadavg()
+                r = run_child([*cli, str(trace), "--device", f"{args.device_pages}p", "--mrc",
+                               "--mrc-points", "15", "--json", "--no-progress"], out)
+                doc = json.loads(out.read_text())
+                run[f"ours_{label}"] = {**r, "load_avg": load, "timing": doc["timing"],
+                                        "replay_engine": doc["config"]["replay_engine"],
+                                        "hit_rate": doc["result"]["hit_rate"]}
+            os.environ.pop("NUMBA_CACHE_DIR")
+        caps = [pt["capacity_pages"] for pt in doc["mrc"]["points"]]
+        if scale <= args.peer_max_scale:
+            peer_out = Path(args.dir) / "peer.json"
+            load = os.getloadavg()
+            r = run_child([peer, "run", "--trace", str(trace), "--model", args.model,
+                           "--block-size", str(BLOCK), "--format", "json", "--no-progress",
+                           "--output", str(peer_out)])
+            run["peer"] = {**r, "load_avg": load}
+            peer_out.unlink()
+            for label in ("cold", "warm"):
+                o = run[f"ours_{label}"]
+                run[f"{label}_time_ratio"] = o["seconds"] / r["seconds"]
+                run[f"{label}_cpu_ratio"] = o["cpu_seconds"] / r["cpu_seconds"]
+                run[f"{label}_rss_ratio"] = o["peak_rss_bytes"] / r["peak_rss_bytes"]
+        try:
+            import libcachesim  # noqa: F401
+        except ImportError:
+            run["libcachesim_lru"] = {"skipped": "libcachesim is not installed"}
+        else:
+            oracle = Path(args.dir) / "pages.oracleGeneral"
+            tmp_out = Path(args.dir) / "lcs.json"
+            run_child([sys.executable, __file__, "--child-oracle", str(trace), str(oracle)],
+                      tmp_out)
+            load = os.getloadavg()
+            lr = run_child([sys.executable, __file__, "--child-lcs", str(oracle),
+                            ",".join(map(str, caps))], tmp_out)
+            ldoc = json.loads(tmp_out.read_text())
+            pl = run_child([sys.executable, __file__, "--child-page-lru", str(trace),
+                            ",".join(map(str, caps))], tmp_out)
+            mine = json.loads(tmp_out.read_text())
+            oracle.unlink()
+            tmp_out.unlink()
+            refs = mine["page_refs"]
+            run["libcachesim_lru"] = {
+                **lr, "load_avg": load, "page_refs": refs, "ours_page_lru": pl,
+                "hits_equal": all(round((1 - p["miss_ratio"]) * refs) == h
+                                  for p, h in zip(ldoc["points"], mine["hits"]))}
+        report["runs"].append(run)
+        print(json.dumps({k: v for k, v in run.items() if k.endswith("ratio")}
+                         | {"scale": scale, "cold_s": run["ours_cold"]["seconds"],
+                            "warm_s": run["ours_warm"]["seconds"],
+                            "peer_s": run.get("peer", {}).get("seconds")}), flush=True)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", default="10,30", help="trace repetitions, comma-separated")
@@ -221,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", type=int, default=0, metavar="N",
                     help="exact HiRadixCache replays at the N smallest budgets (x1 trace)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/bench_hitrate_peers.json"))
+    ap.add_argument("--default-command", action="store_true",
+                    help="time the CLI's default command cold and warm (see the module's doc)")
+    ap.add_argument("--device-pages", type=int, default=16384, help="--default-command's N")
+    ap.add_argument("--peer-max-scale", type=int, default=30,
+                    help="--default-command: run kvcache-simulator up to this scale")
+    ap.add_argument("--dir", default="/tmp", help="--default-command: where traces are kept")
     ap.add_argument("--child", nargs=4, metavar=("TRACE", "CAPS", "WARMUP", "VERIFY"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--child-sample", metavar="TRACE", help=argparse.SUPPRESS)
@@ -251,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     if peer is None:
         print("kvcache-simulator is not installed (pip install -e '.[bench]')", file=sys.stderr)
         return 2
+    if args.default_command:
+        save_json(args.out, default_command(args, peer))
+        return 0
     report: dict[str, Any] = {"benchmark": "hitrate_peers", "machine": host(),
                               "model": args.model, "block": BLOCK, "runs": []}
     with tempfile.TemporaryDirectory(prefix="hitrate-peers-") as tmp:

@@ -76,6 +76,7 @@ def _same(a: BlockSink, b: BlockSink) -> None:
 def test_scanner_reads_what_the_reader_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              chunk: int) -> None:
     monkeypatch.setattr(traces, "CHUNK_BYTES", chunk)  # lines cut at every chunk boundary
+    monkeypatch.setattr(traces, "SCAN_FROM_BYTES", 0)
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(LINES * 3))  # no newline at the end
     want, ws = _read(p, Plain())
@@ -92,7 +93,9 @@ def test_scanner_reads_what_the_reader_reads(tmp_path: Path, monkeypatch: pytest
 
 
 @pytest.mark.parametrize("line", [i for i, x in enumerate(LINES) if i in (12, 13, 15, 19, 24)])
-def test_scanner_stops_with_the_readers_error(tmp_path: Path, line: int) -> None:
+def test_scanner_stops_with_the_readers_error(tmp_path: Path, line: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traces, "SCAN_FROM_BYTES", 0)
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join([GOOD, GOOD, LINES[line], GOOD]) + "\n")
     errs = []
@@ -103,8 +106,12 @@ def test_scanner_stops_with_the_readers_error(tmp_path: Path, line: int) -> None
     assert errs[0] == errs[1] and ":3: " in errs[0]
 
 
-def test_compressed_traces_stream(tmp_path: Path) -> None:
-    """A .gz or .zst trace (detected by its magic bytes) reads as the plain file does."""
+@pytest.mark.parametrize("scan_from", [0, 1 << 40])
+def test_compressed_traces_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  scan_from: int) -> None:
+    """A .gz or .zst trace (detected by its magic bytes) reads as the plain file does, by the
+    scanner or line by line."""
+    monkeypatch.setattr(traces, "SCAN_FROM_BYTES", scan_from)
     text = ("\n".join(LINES[:3] * 500) + "\n").encode()
     plain = tmp_path / "t.jsonl"
     plain.write_bytes(text)

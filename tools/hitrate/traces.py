@@ -184,6 +184,7 @@ def _iter_lines(
 
 
 CHUNK_BYTES = 8 << 20  # what the compiled scanner takes at once
+SCAN_FROM_BYTES = 64 << 20  # the compiled scanner reads traces of this size and more
 
 
 def _iter_chunks(path: Path, max_line_bytes: int, bar: Any) -> Iterator[tuple[int, bytes]]:
@@ -548,7 +549,10 @@ def read_trace(
     fast_loads = _fast_loads()
     add: Any = getattr(sink, "add", None)  # a sink that takes a Mooncake line's fields directly
     add_many: Any = getattr(sink, "add_many", None)  # ... and the scanner's arrays of them
-    scanning = add_many is not None and fmt in ("auto", "mooncake")
+    # The scanner for traces of SCAN_FROM_BYTES and more: below, its compile on a first run
+    # (seconds) would cost more than orjson's few microseconds a line save.
+    scanning = (add_many is not None and fmt in ("auto", "mooncake")
+                and sum(f.stat().st_size for f in files if f.is_file()) >= SCAN_FROM_BYTES)
     ids = np.empty(0, np.int64)
     meta = np.empty((1 << 16 if scanning else 1, 8), np.int64)
     mc = False  # the Mooncake fast paths are on (format known, raw ids to a sink with add)
