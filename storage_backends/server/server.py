@@ -707,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     tune_malloc()
+    os.umask(os.umask(0o077) | 0o077)  # what it persists is private (docs/security.md)
     try:
         server = HiCacheServer(config)
     except (ValueError, OSError, zmq.ZMQError) as e:  # a bad file or address: one line, exit 2

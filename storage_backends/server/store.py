@@ -417,10 +417,9 @@ class WriteBehind:
 
         if max_pending < 1:
             raise ValueError(f"persist queue must hold at least 1 page, got {max_pending}")
-        # Pages and pins.json are the tenants' data: private to the server's user (files made
-        # 0600 and folders 0700 through the umask, and the top folder closed to others, so
-        # files an older server left 0644 are out of reach too).
-        os.umask(os.umask(0o077) | 0o077)
+        # Pages and pins.json are the tenants' data: the top folder is closed to others, so
+        # nothing under it (files an older server left 0644 too) is reachable by another
+        # user; hicache-server's main also sets a umask of 077 (files 0600, folders 0700).
         self.backend = FileBackend(
             StorageConfig(extra={"path": path, "capacity_bytes": capacity_bytes})
         )

@@ -206,24 +206,30 @@ def test_a_persist_dir_naming_a_file_exits_2(tmp_path: Path,
 
 
 def test_persisted_pages_and_pins_are_private(tmp_path: Path) -> None:
-    umask = os.umask(0o022)
-    try:
-        persist = tmp_path / "persist"
-        with server(persist_dir=str(persist), admin_token=ADMIN) as srv:
+    from tests.storage_backends.hicache_server_proc import RawClient, hicache_server
+
+    persist = tmp_path / "persist"
+    persist.mkdir(mode=0o755)  # as an older server, or the operator, left it
+    with hicache_server(tmp_path, persist_dir=persist, args=["--admin-token", ADMIN]) as srv:
+        c = RawClient(srv.url)
+        try:
             key, record = page_key("ns", 0), page_record(codec(), "ns", 0)
-            reply = srv.handle(P.encode(P.SetRequest(request_id=1, keys=[key],
-                                                     frames=[bytes(record)])))
-            assert isinstance(reply, P.SetReply) and reply.stored == [True]
-            assert isinstance(srv.handle(P.encode(P.PinRequest(
-                request_id=2, token=ADMIN, keys=[key], ttl_ms=60_000))), P.PinReply)
-        found = [persist, *persist.rglob("*")]
-        assert any(p.is_file() and p.suffix != ".json" for p in found)
-        assert any(p.name == "pins.json" for p in found)
-        for p in found:
-            mode = stat.S_IMODE(p.stat().st_mode)
-            assert mode & 0o077 == 0, (p, oct(mode))
-    finally:
-        os.umask(umask)
+            assert c.set([key], [bytes(record)]) == [True]
+            assert isinstance(c.ask(P.PinRequest(request_id=2, token=ADMIN, keys=[key],
+                                                 ttl_ms=60_000)), P.PinReply)
+        finally:
+            c.close()
+    found = [persist, *persist.rglob("*")]
+    assert any(p.is_file() and p.name != "pins.json" for p in found)
+    assert any(p.name == "pins.json" for p in found)
+    for p in found:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode & 0o077 == 0, (p, oct(mode))
+    # In process (no main: no umask), the top folder alone closes the tree to others.
+    inproc = tmp_path / "inproc"
+    with server(persist_dir=str(inproc)):
+        pass
+    assert stat.S_IMODE(inproc.stat().st_mode) == 0o700
 
 
 # -- 10: bounded stats rows --------------------------------------------------------------------
