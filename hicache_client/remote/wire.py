@@ -6,7 +6,7 @@ and back, checking everything a peer could get wrong:
     frame 0      msgpack map: {"v": version, "t": type tag, <the dataclass's header fields>}
     frame 1..n   payload frames (a field marked `frames_field()`), never embedded in msgpack
 
-`Codec.decode` bounds the header before it is built (`DecodeLimits`: its bytes, each string's
+`Codec.decode` bounds a request header before it is built (`DecodeLimits`: its bytes, each string's
 and list's length, and for a request its shape: one map holding scalars and flat lists, which
 is all a request is; anything nested fails at the second container, before memory grows), then
 checks the version (and that the type exists in it), the type tag, every field's
@@ -165,17 +165,19 @@ class _Shape:
 
 def unpack_header(header: Buffer, limits: DecodeLimits = DEFAULT_LIMITS,
                   request: bool = False) -> Any:
-    """Frame 0 decoded under `limits` (raises ValueError or msgpack's errors)."""
+    """Frame 0 decoded under `limits` (raises ValueError or msgpack's errors); a reply (not
+    `request`) only under msgpack's own limits: it comes from the server a client chose, and
+    an admin reply (stats of every namespace, every pin) may be longer than any request."""
+    if not request:
+        return msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
     if nbytes(header) > limits.header_bytes:
         raise ValueError(f"header is {nbytes(header)} bytes; at most {limits.header_bytes}")
-    hooks: dict[str, Any] = {}
-    if request:
-        shape = _Shape(limits.request_lists)
-        hooks = {"object_hook": shape.map_done, "list_hook": shape.list_done}
+    shape = _Shape(limits.request_lists)
     return msgpack.unpackb(
         header, raw=False, use_list=True, strict_map_key=True,
         max_str_len=limits.str_bytes, max_bin_len=limits.str_bytes,
-        max_array_len=limits.items, max_map_len=limits.items, max_ext_len=0, **hooks)
+        max_array_len=limits.items, max_map_len=limits.items, max_ext_len=0,
+        object_hook=shape.map_done, list_hook=shape.list_done)
 
 
 def peek_request_id(header: Buffer, limits: DecodeLimits = DEFAULT_LIMITS) -> int:
