@@ -139,6 +139,18 @@ def open_trace(path: Path) -> Any:
     return fh
 
 
+def _open(path: Path) -> Any:
+    """`open_trace(path)`, its errors as `TraceError`s naming the file."""
+    try:
+        return open_trace(path)
+    except FileNotFoundError:
+        raise TraceError(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, None, "is a directory, not a trace file") from None
+    except OSError as e:
+        raise TraceError(path, None, f"cannot open: {e.strerror}") from None
+
+
 def _iter_lines(
     path: Path, max_line_bytes: int = MAX_LINE_BYTES, bar: Any = None, raw_bytes: bool = False
 ) -> Iterator[tuple[int, Any]]:
@@ -147,14 +159,7 @@ def _iter_lines(
     whole), so the reader can name (or skip) that very line. `bar`: a tqdm bar in bytes, moved
     on every 4 MiB read and at the end of the file (decompressed bytes of a compressed file).
     `raw_bytes`: the lines as bytes, undecoded (the caller decodes what it must)."""
-    try:
-        fh = open_trace(path)
-    except FileNotFoundError:
-        raise TraceError(path, None, "no such file") from None
-    except IsADirectoryError:
-        raise TraceError(path, None, "is a directory, not a trace file") from None
-    except OSError as e:
-        raise TraceError(path, None, f"cannot open: {e.strerror}") from None
+    fh = _open(path)
     with fh:
         lineno = 0
         unshown = 0  # bytes read and not yet on the bar
@@ -191,14 +196,7 @@ def _iter_chunks(path: Path, max_line_bytes: int, bar: Any) -> Iterator[tuple[in
     """(number of the first line, whole lines) of about `CHUNK_BYTES`; a line longer than
     `max_line_bytes` is cut after `max_line_bytes + 1` of its bytes and read past (the reader
     sees it too long, as `_iter_lines` says)."""
-    try:
-        fh = open_trace(path)
-    except FileNotFoundError:
-        raise TraceError(path, None, "no such file") from None
-    except IsADirectoryError:
-        raise TraceError(path, None, "is a directory, not a trace file") from None
-    except OSError as e:
-        raise TraceError(path, None, f"cannot open: {e.strerror}") from None
+    fh = _open(path)
     with fh:
         lineno = 1
         while data := fh.read(CHUNK_BYTES):
