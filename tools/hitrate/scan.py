@@ -25,6 +25,19 @@ def _ws(c):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
+def _past(buf, i, end, c):  # type: ignore[no-untyped-def]
+    """The index after whitespace, the byte `c` and whitespace from i; -1 when `c` is not next."""
+    while i < end and _ws(buf[i]):
+        i += 1
+    if i >= end or buf[i] != c:
+        return -1
+    i += 1
+    while i < end and _ws(buf[i]):
+        i += 1
+    return i
+
+
+@njit(cache=True, inline="always")
 def _int_at(buf, i, end):  # type: ignore[no-untyped-def]
     """(value, next index), or (-1, i) when no JSON integer of <= 18 digits starts at i."""
     j = i
@@ -123,14 +136,10 @@ def scan_chunk(buf, keys, ids, meta, max_tokens, max_blocks, block_size, max_ts,
                     break
                 seen |= 1 << k
                 i = j
-                while i < end and _ws(buf[i]):
-                    i += 1
-                if i >= end or buf[i] != 58:
+                i = _past(buf, i, end, 58)  # ':'
+                if i < 0:
                     status = 1
                     break
-                i += 1
-                while i < end and _ws(buf[i]):
-                    i += 1
                 if k < 3:
                     v, i2 = _int_at(buf, i, end)
                     if v < 0:
@@ -144,12 +153,10 @@ def scan_chunk(buf, keys, ids, meta, max_tokens, max_blocks, block_size, max_ts,
                     else:
                         ol = v
                 else:
-                    if i >= end or buf[i] != 91:
+                    i = _past(buf, i, end, 91)  # '['
+                    if i < 0:
                         status = 1
                         break
-                    i += 1
-                    while i < end and _ws(buf[i]):
-                        i += 1
                     if i < end and buf[i] == 93:
                         i += 1
                     else:
