@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
                    help="our weights: dummy (random, on the device; the default with "
                    "--model-config) or auto (the generated checkpoint's)")
+    p.add_argument("--model", default=None,
+                   help="a real checkpoint with its weights (smollm2-135m-instruct, a GGUF file, "
+                   "a checkpoint directory): ours and transformers load the same weights")
     p.add_argument("--prompt-tokens", default="2048",
                    help="the long prompt's tokens (a comma list: one prefill_long row each)")
     p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
@@ -131,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     def prompt(n: int) -> list[int]:
         return torch.randint(10, a.vocab, (n,), generator=g).tolist()
 
-    if a.model_config:
+    if a.model:
+        from engine.demo_model import resolve_model_path
+
+        path = resolve_model_path(a.model)  # a GGUF becomes its converted HF checkpoint
+        model = load_model(path, dtype=dtype, device=device)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        a.vocab = model.config.vocab_size
+    elif a.model_config:
         model, hf = real_shape_models(a.model_config, dtype, device)
         a.vocab = model.config.vocab_size
     else:

@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
                    help="weights: dummy (random, made on the device; the default with "
                    "--model-config) or auto (the generated checkpoint's)")
+    p.add_argument("--model", default=None,
+                   help="a real checkpoint with its weights: smollm2-135m-instruct (the "
+                   "default model of make run), a GGUF file or a checkpoint directory")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--io-backend", default="direct")
     p.add_argument("--mem-layout", default="layer_first")
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         a.load_format = "dummy" if a.model_config else "auto"
     if a.model_config and a.load_format != "dummy":
         p.error("--model-config has no weights: use --load-format dummy")
+    if a.model and a.model_config:
+        p.error("give --model (real weights) or --model-config (a shape), not both")
     if a.out is None:
         out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks/results"
         a.out = out_dir / ("bench_ttft_tiers_quick.json" if a.quick else "bench_ttft_tiers.json")
@@ -163,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         a.profile.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(a.seed)
     model_dir = config_dir_of(a.model_config) if a.model_config else None
+    if a.model:
+        from engine.demo_model import resolve_model_path
+
+        model_dir = resolve_model_path(a.model)
     if model_dir is not None:
         a.vocab = ModelConfig.from_dir(model_dir).vocab_size
     a.compute_repeats = a.compute_repeats or a.repeats
