@@ -69,6 +69,9 @@ $(STAMP): pyproject.toml Makefile $(CLIENT_DIR)/pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_ROUTER_DIR) $(SGLANG_ROUTER_SPEC)
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SGLANG_BENCH_DIR) $(SGLANG_BENCH_DEPS)
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(GUIDELLM_DIR) $(GUIDELLM_DEPS)
+	# hicache-hitrate's numba kernels compiled once here (cached beside them), not on a user's first run
+	$(BIN)/python -m tools.hitrate.cli traces/mooncake_conversation_trace.jsonl --device 16384p --mrc --json --no-progress > /dev/null
+	$(BIN)/python -c "import numpy as np; from tools.hitrate import scan; b = np.frombuffer(b'{}', np.uint8); scan.scan_chunk(b, scan.KEYS, np.zeros(4, np.int64), np.zeros((2, 8), np.int64), 1, 1, 1, 1.0, 9)"
 	touch $(STAMP)
 
 setup: $(STAMP)
