@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from engine.server.metrics import ServerMetrics
 from hicache.attribution import MISS_CAUSES
 from hicache.stats import CacheStats
-
-from engine.server.metrics import ServerMetrics
 from tests.metrics_names import check_exposition
 
 
