@@ -43,7 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_multiturn import make_checkpoint, make_weights  # noqa: E402
+from bench_multiturn import (  # noqa: E402
+    add_model_args,
+    check_model_args,
+    make_checkpoint,
+    make_weights,
+)
 
 
 def timed(
@@ -74,14 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="decode CUDA graphs up to this batch (CUDA + triton; 0: off)")
-    p.add_argument("--model-config", default=None,
-                   help="a shipped config name or a config.json: that model's shape")
-    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
-                   help="our weights: dummy (random, on the device; the default with "
-                   "--model-config) or auto (the generated checkpoint's)")
-    p.add_argument("--model", default=None,
-                   help="a real checkpoint with its weights (smollm2-135m-instruct, a GGUF file, "
-                   "a checkpoint directory): ours and transformers load the same weights")
+    add_model_args(p)
     p.add_argument("--prompt-tokens", default="2048",
                    help="the long prompt's tokens (a comma list: one prefill_long row each)")
     p.add_argument("--batch-prompts", type=int, default=8, help="prompts in the batched prefill")
@@ -103,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         a.hidden, a.layers, a.vocab = 256, 2, 4096
         a.prompt_tokens, a.batch_prompts, a.batch_prompt_tokens = "512", 4, 128
         a.decode_context, a.decode_steps, a.repeats = 64, 8, 2
-    if a.load_format is None:
-        a.load_format = "dummy" if a.model_config else "auto"
-    if a.model_config and a.load_format != "dummy":
-        p.error("--model-config has no weights: use --load-format dummy")
+    check_model_args(p, a)
     long_prompts = [int(x) for x in str(a.prompt_tokens).split(",") if x]
 
     import torch

@@ -46,6 +46,30 @@ TARGETS = {
 }
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The engine benchmarks' choice of model: a generated random-weight checkpoint (the
+    default), a real model's shape with random weights (`--model-config`), or real weights
+    (`--model`: a catalog name such as smollm2-135m-instruct, a GGUF file, a checkpoint)."""
+    p.add_argument("--model-config", default=None,
+                   help="a shipped config name or a config.json: that model's shape")
+    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                   help="weights: dummy (random, made on the device; the default with "
+                   "--model-config) or auto (the generated checkpoint's)")
+    p.add_argument("--model", default=None,
+                   help="a real checkpoint with its weights: smollm2-135m-instruct (the "
+                   "default model of make run), a GGUF file or a checkpoint directory")
+
+
+def check_model_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """`--load-format`'s default, and the combinations `add_model_args` refuses."""
+    if a.load_format is None:
+        a.load_format = "dummy" if a.model_config else "auto"
+    if a.model_config and a.load_format != "dummy":
+        p.error("--model-config has no weights: use --load-format dummy")
+    if a.model and a.model_config:
+        p.error("give --model (real weights) or --model-config (a shape), not both")
+
+
 def make_weights(out: Path, hidden: int, layers: int, vocab: int, seed: int = 1) -> Path:
     """A random-weight Llama (64-dim heads, 2:1 GQA) as config.json + model.safetensors."""
     from safetensors.torch import save_file

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_multiturn import write_report  # noqa: E402
+from bench_multiturn import add_model_args, check_model_args, write_report  # noqa: E402
 
 TARGETS_CPU = {"device_vs_compute": 0.03, "host_vs_compute": 0.04, "l3_vs_compute": 0.06}
 TARGETS_GPU = {"device_vs_compute": 0.1, "host_vs_compute": 0.25, "l3_vs_compute": 0.5}
@@ -122,14 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--model-config", default=None,
-                   help="a shipped config name or a config.json: that model's shape")
-    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
-                   help="weights: dummy (random, made on the device; the default with "
-                   "--model-config) or auto (the generated checkpoint's)")
-    p.add_argument("--model", default=None,
-                   help="a real checkpoint with its weights: smollm2-135m-instruct (the "
-                   "default model of make run), a GGUF file or a checkpoint directory")
+    add_model_args(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--io-backend", default="direct")
     p.add_argument("--mem-layout", default="layer_first")
@@ -146,12 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.hidden, a.layers, a.tokens, a.vocab = 256, 2, 1024, 1024
-    if a.load_format is None:
-        a.load_format = "dummy" if a.model_config else "auto"
-    if a.model_config and a.load_format != "dummy":
-        p.error("--model-config has no weights: use --load-format dummy")
-    if a.model and a.model_config:
-        p.error("give --model (real weights) or --model-config (a shape), not both")
+    check_model_args(p, a)
     if a.out is None:
         out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks/results"
         a.out = out_dir / ("bench_ttft_tiers_quick.json" if a.quick else "bench_ttft_tiers.json")

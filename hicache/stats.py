@@ -66,18 +66,13 @@ class CacheStats:
     storage_backup_bytes: int = 0
     storage_backup_seconds: float = 0.0
     storage_failed_pages: int = 0  # writes the backend refused
-    # L3 admission (hicache.admission): backed-up pages it kept out of L3 (a page declined
-    # again after a later hit counts again), and pages a request recomputed while they were in
-    # the sketch of declined pages: hits L3 would have served had they been written.
-    storage_declined_pages: int = 0
-    storage_declined_rehit_pages: int = 0
-    # Per-request hints: new pages of skip_cache_write requests (never written below the
-    # device); soft pins set (requests), cut to max_retention_seconds (requests), expired
-    # (nodes whose pin ran out).
-    skip_write_pages: int = 0
-    retention_requests: int = 0
-    retention_clamped: int = 0
-    retention_expired: int = 0
+    # L3 admission (hicache.admission) and the per-request hints:
+    storage_declined_pages: int = 0  # backed-up pages kept out of L3 (again after a later hit)
+    storage_declined_rehit_pages: int = 0  # recomputed while in the declined sketch: L3 misses
+    skip_write_pages: int = 0  # new pages of skip_cache_write requests (never below device)
+    retention_requests: int = 0  # requests that set a soft pin (retention_seconds)
+    retention_clamped: int = 0  # of those, cut to max_retention_seconds
+    retention_expired: int = 0  # nodes whose pin ran out
     storage_errors: int = 0  # backend operations that raised
     corrupt_pages: int = 0  # records that failed validation on read
     # Tokens L3 held for the requests that asked it (leading run found by prefetch probes), and
