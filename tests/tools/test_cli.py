@@ -27,6 +27,8 @@ FLAGS = [
     "--host",
     "--storage",
     "--kv-bytes-per-token",
+    "--codec",
+    "--codec-ratio",
     "--model-path",
     "--model",
     "--kv-dtype",
