@@ -89,5 +89,6 @@ def test_tokenizer_and_model_path_names(capsys: pytest.CaptureFixture[str]) -> N
         rc, _, err = run(capsys, [str(CHAT), flag, "no-such-model"])
         assert rc == 2
         assert err.startswith(f"hicache-hitrate: error: {flag} no-such-model: no such file or "
-                              "directory (give a local Hugging Face checkpoint directory, a "
-                              "demo model: hicache-demo, hicache-demo-mla")
+                              "directory (give a local Hugging Face checkpoint directory or GGUF "
+                              "file, a model name: smollm2-135m-instruct, hicache-demo, "
+                              "hicache-demo-mla")
