@@ -435,6 +435,8 @@ class Engine:
             "prompt_tokens": len(req.prompt),
             "completion_tokens": len(req.output),
             "cached_tokens": max(req.cached_tokens, 0),
+            # Each prompt token's outcome (hicache.attribution), once the request finished.
+            "cache_outcomes": req.cache_outcomes,
             "finish_reason": req.finish_reason,
             "ttft": (req.first_token_time - req.arrival) if req.first_token_time else None,
             "retractions": req.retractions,

@@ -63,6 +63,8 @@ class Update:
     # in this update; None when the request asked for none.
     logprobs: LogprobTrack | None = None
     lp_first: int = 0
+    # The prompt's tokens by hit tier / miss cause, on the final update (hicache.attribution).
+    cache_outcomes: dict[str, int] | None = None
 
     @property
     def meta_info(self) -> dict[str, Any]:
@@ -157,7 +159,7 @@ class Generation:
                       completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                       rid=self.client_rid or self.rid,
                       logprobs=self.track if self.logprobs is not None else None,
-                      lp_first=lp_first)
+                      lp_first=lp_first, cache_outcomes=out.cache_outcomes)
 
     async def updates(self) -> AsyncIterator[Update]:
         assert self.queue is not None

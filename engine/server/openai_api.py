@@ -183,20 +183,37 @@ async def _launch(state: ServerState, prepared: Prepared, n: int, salt: str | No
     return gens, cached if cached is not None else [-1] * len(prepared)
 
 
-def _usage(prepared: Prepared, n: int, finals: list[Update], cached: list[int]) -> dict[str, Any]:
+def _usage(prepared: Prepared, n: int, finals: list[Update], cached: list[int],
+           details: bool = False) -> dict[str, Any]:
     """Each prompt counted once; cached tokens: the hits before this request (n > 1), else what
-    the scheduler reported."""
+    the scheduler reported. With `details` (`return_cached_tokens_details`, n == 1), also every
+    prompt token's outcome: `prompt_tokens_details.cache_outcomes`, a hit tier or a miss cause
+    (hicache.attribution) -> tokens, summed over the prompts."""
     prompt = sum(len(ids) for ids, _ in prepared)
     completion = sum(u.completion_tokens for u in finals)
     hits = sum(c if c >= 0 else finals[i * n].cached_tokens for i, c in enumerate(cached))
-    return usage(prompt, completion, hits)
+    out = usage(prompt, completion, hits)
+    if details:
+        outcomes: dict[str, int] = {}
+        for u in finals:
+            for cause, tokens in (u.cache_outcomes or {}).items():
+                outcomes[cause] = outcomes.get(cause, 0) + int(tokens)
+        out["prompt_tokens_details"]["cache_outcomes"] = outcomes
+    return out
 
 
 def _usage_chunk(head: dict[str, Any], prepared: Prepared, n: int, finals: dict[int, Update],
-                 cached: list[int]) -> dict[str, Any]:
+                 cached: list[int], details: bool = False) -> dict[str, Any]:
     """The last chunk of a stream that asked for usage (`stream_options.include_usage`)."""
     done = [finals[i] for i in sorted(finals)]
-    return {**head, "choices": [], "usage": _usage(prepared, n, done, cached)}
+    return {**head, "choices": [], "usage": _usage(prepared, n, done, cached, details)}
+
+
+def _check_details(body: CompletionBody | ChatBody) -> None:
+    """`return_cached_tokens_details` with n > 1 is refused: the samples share a prefill made
+    first, so their own outcomes would say device hits for what the prefill computed."""
+    if body.return_cached_tokens_details and body.n > 1:
+        raise bad("return_cached_tokens_details needs n == 1", "return_cached_tokens_details")
 
 
 async def _completed(request: Request, gens: list[Generation]) -> list[Update]:
@@ -269,6 +286,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, echoes = got
         n = body.n
+        _check_details(body)
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
                                      OP.completion_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "cmpl", gens), int(time.time())
@@ -312,7 +330,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                     if u.finished:
                         finals[u.index] = u
                 if include_usage:
-                    yield _usage_chunk(head, prepared, n, finals, cached)
+                    yield _usage_chunk(head, prepared, n, finals, cached,
+                                       body.return_cached_tokens_details)
 
             return sse_response(events())
         results = await _completed(request, gens)
@@ -321,13 +340,15 @@ def register(app: FastAPI, state: ServerState) -> None:
                     "finish_reason": finish_reason_str(u.finish_reason),
                     **prompt_lp(body, prepared, n, u)} for u in results]
         return JSONResponse({**head, "choices": choices,
-                             "usage": _usage(prepared, n, results, cached)})
+                             "usage": _usage(prepared, n, results, cached,
+                                             body.return_cached_tokens_details)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
         assert prepared is not None
         n = body.n
+        _check_details(body)
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
                                      OP.chat_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "chatcmpl", gens), int(time.time())
@@ -371,7 +392,8 @@ def register(app: FastAPI, state: ServerState) -> None:
                         finals[u.index] = u
                         yield chunk(u.index, {}, finish_reason_str(u.finish_reason), u=u)
                 if include_usage:
-                    yield _usage_chunk(head, prepared, n, finals, cached)
+                    yield _usage_chunk(head, prepared, n, finals, cached,
+                                       body.return_cached_tokens_details)
 
             return sse_response(events())
         results = await _completed(request, gens)
@@ -380,4 +402,5 @@ def register(app: FastAPI, state: ServerState) -> None:
                     **prompt_lp(body, prepared, n, u)}
                    for u in results]
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                             "usage": _usage(prepared, n, results, cached)})
+                             "usage": _usage(prepared, n, results, cached,
+                                             body.return_cached_tokens_details)})

@@ -83,6 +83,8 @@ class ReqOut:
     text: str = ""
     # Logprobs new since the previous ReqOut (`ReqLogprobs.take()`), or None when not asked.
     logprobs: dict[str, Any] | None = None
+    # The prompt's tokens by hit tier / miss cause (hicache.attribution); on the final ReqOut.
+    cache_outcomes: dict[str, int] | None = None
 
 
 @dataclass

@@ -184,6 +184,8 @@ _HONOURED: list[Row] = [
     H("return_text_in_logprobs", _GEN, "each logprob with its token's text"),
     # --- the response ---
     H("stream", ALL, "server-sent events"),
+    H("return_cached_tokens_details", OPENAI, "usage.prompt_tokens_details.cache_outcomes: the "
+      "prompt's tokens by hit tier and miss cause (n == 1)"),
     H("stream_options", OPENAI, "what a stream adds (usage)"),
     H("include_usage", (STREAM_OPTIONS,), "a last chunk with the usage"),
     H("continuous_usage_stats", (STREAM_OPTIONS,),
@@ -264,7 +266,6 @@ _DEFAULT_ONLY: list[Row] = [
     R("return_routed_experts", ALL, _FALSE, "MoE routing records"),
     R("routed_experts_start_len", ALL, only(0), "MoE routing records"),
     R("return_indexer_topk", (GENERATE,), _FALSE, "indexer top-k records"),
-    R("return_cached_tokens_details", OPENAI, _FALSE, "per-tier cached-token details"),
     R("return_spec_tokens_details", OPENAI, _FALSE, "speculative decoding details"),
     R("return_token_ids", OPENAI, _FALSE, "token ids in the choices"),
     R("return_prompt_token_ids", (CHAT, GENERATE), _FALSE, "the prompt's token ids"),

@@ -358,6 +358,7 @@ class SchedulerProcess:
                                     cached_tokens=int(u["meta_info"]["cached_tokens"]),
                                     text=u["text_delta"],
                                     logprobs=u.get("logprobs"),
+                                    cache_outcomes=u["meta_info"].get("cache_outcomes"),
                                 )
                                 for u in updates
                             ]

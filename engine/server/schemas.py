@@ -125,6 +125,8 @@ class _OpenAISampling(_Body):
     skip_cache_write: bool | None = None
     retention_seconds: float | None = None
     priority: int | None = None
+    # usage.prompt_tokens_details.cache_outcomes: the prompt's tokens by hit tier / miss cause.
+    return_cached_tokens_details: bool = False
     # Sampling beyond the basics (engine.server.openai_params maps them).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

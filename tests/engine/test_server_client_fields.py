@@ -260,6 +260,36 @@ def test_continuous_usage_stats(server: EngineServer) -> None:
             events[-1]["usage"]
 
 
+def test_return_cached_tokens_details(server: EngineServer) -> None:
+    """Opt-in per-request miss attribution in the usage (issue 48): every prompt token comes to
+    one outcome, summing to prompt_tokens; a repeat's cached tokens are its device hits; off by
+    default; n > 1 is a 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": "Details of the tide cache, please: " * 6}],
+            "max_tokens": 3, **GREEDY, "return_cached_tokens_details": True}
+    first = server.post("/v1/chat/completions", body)["usage"]
+    again = server.post("/v1/chat/completions", body)["usage"]
+    for u in (first, again):
+        outcomes = u["prompt_tokens_details"]["cache_outcomes"]
+        assert sum(outcomes.values()) == u["prompt_tokens"], u
+    assert first["prompt_tokens_details"]["cache_outcomes"].get("device_hit", 0) == \
+        first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cache_outcomes"]["device_hit"] == \
+        again["prompt_tokens_details"]["cached_tokens"] > 0
+    events = _stream(server, "/v1/chat/completions",
+                     {**body, "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"]["prompt_tokens_details"] == again["prompt_tokens_details"]
+    plain = server.post("/v1/completions", {"prompt": "The tide", "max_tokens": 2, **GREEDY})
+    assert "cache_outcomes" not in plain["usage"]["prompt_tokens_details"]
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "The tide", "max_tokens": 2, "n": 2,
+                                             "return_cached_tokens_details": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == \
+            "return_cached_tokens_details", r.text
+        r = c.post("/v1/completions", json={"prompt": "The tide", "max_tokens": 2,
+                                             "return_cached_tokens_details": "yes"})
+        assert r.status_code == 400 and "return_cached_tokens_details" in r.text, r.text
+
+
 def _comp(server: EngineServer, **kw: Any) -> dict[str, Any]:
     out: dict[str, Any] = server.post("/v1/completions", {
         "prompt": "The tide table lists", "max_tokens": 12, **GREEDY, **kw})
