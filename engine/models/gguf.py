@@ -78,8 +78,9 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Present in some files but computed by us (RoPE frequencies) or unused.
-_IGNORED_TENSORS = ("rope_freqs.weight",)
+# llama.cpp stores Llama-3.1's RoPE scaling as per-dimension factors in this tensor, not as
+# metadata: serving such a file with plain RoPE would give wrong KV, so it is refused.
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 # Model names that resolve to a GGUF shipped inside a PyPI wheel:
@@ -192,9 +193,11 @@ class GGUFModel:
                 raise ConfigError(f"{self.path}: tensor {t.name!r} is of block type {kind}, "
                                   f"not supported; supported: {', '.join(SUPPORTED_TYPES)}")
             hf = hf_tensor_name(t.name)
+            if t.name == _ROPE_FREQS:
+                raise ConfigError(f"{self.path}: per-dimension RoPE factors ({_ROPE_FREQS}, "
+                                  "llama.cpp's form of Llama-3.1 RoPE scaling) are not "
+                                  "supported; use the Hugging Face checkpoint")
             if hf is None:
-                if t.name in _IGNORED_TENSORS:
-                    continue
                 raise ConfigError(f"{self.path}: unexpected tensor {t.name!r} for a "
                                   f"{self.arch} model")
             self.tensors[hf] = t

@@ -55,10 +55,12 @@ def write_gguf(
     tied: bool = True,
     tokenizer_model: str | None = "gpt2",
     drop: Sequence[str] = (),
+    rope_freqs: bool = False,
     **arch_overrides: int,
 ) -> Path:
     """A random-weight `arch` GGUF at `out`. The linear weights take `types` in turn (so one
-    file can hold every block type); norms are F32; `drop` leaves tensors out."""
+    file can hold every block type); norms are F32; `drop` leaves tensors out; `rope_freqs`
+    adds llama.cpp's per-dimension RoPE factors."""
     import gguf
 
     a = {**ARCH, **arch_overrides}
@@ -105,6 +107,8 @@ def write_gguf(
         if name not in drop:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
+    if rope_freqs:  # llama.cpp's Llama-3.1 RoPE scaling: a factor per rotary pair
+        w.add_tensor("rope_freqs.weight", np.ones(head_dim // 2, dtype=np.float32))
     add("token_embd.weight", len(tokens), a["hidden"])
     norm("output_norm.weight", a["hidden"])
     if not tied:
