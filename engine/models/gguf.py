@@ -297,6 +297,10 @@ class GGUFModel:
             raise ConfigError(f"{self.path}: {len(missing)} tensors missing for a "
                               f"{c['num_hidden_layers']}-layer {self.arch} model, e.g. "
                               f"{missing[:3]}; truncated or a different architecture?")
+        embed = self.shape("model.embed_tokens.weight")
+        if embed != (c["vocab_size"], c["hidden_size"]):
+            raise ConfigError(f"{self.path}: token_embd.weight is {embed}, the metadata says "
+                              f"vocabulary {c['vocab_size']} x hidden {c['hidden_size']}")
         extra = sorted(set(self.tensors) - expected - {"lm_head.weight"})
         if extra:
             raise ConfigError(f"{self.path}: unexpected tensors {extra[:3]} for a "

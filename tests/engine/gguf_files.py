@@ -56,6 +56,7 @@ def write_gguf(
     tokenizer_model: str | None = "gpt2",
     drop: Sequence[str] = (),
     rope_freqs: bool = False,
+    vocab_size: int | None = None,
     **arch_overrides: int,
 ) -> Path:
     """A random-weight `arch` GGUF at `out`. The linear weights take `types` in turn (so one
@@ -79,7 +80,7 @@ def write_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(a["hidden"] // a["heads"])
-    w.add_vocab_size(len(tokens))
+    w.add_vocab_size(vocab_size or len(tokens))
     if tokenizer_model is not None:
         w.add_tokenizer_model(tokenizer_model)
         w.add_tokenizer_pre("default")

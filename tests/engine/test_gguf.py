@@ -144,6 +144,8 @@ def test_bad_files_are_refused_whole(tmp_path: Path) -> None:
              "tokenizer metadata names model None")
     _refused(write_gguf(tmp_path / "short.gguf", drop=("blk.1.ffn_up.weight",)),
              "1 tensors missing for a 2-layer llama model")
+    _refused(write_gguf(tmp_path / "vocab.gguf", vocab_size=2000),
+             r"token_embd.weight is \(1024, 256\), the metadata says vocabulary 2000")
     _refused(write_gguf(tmp_path / "rope.gguf", rope_freqs=True),
              r"per-dimension RoPE factors \(rope_freqs.weight")
     # Nothing of a refused file was converted.
