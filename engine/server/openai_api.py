@@ -94,6 +94,13 @@ def _chat_text(msg: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
+def _check_details(body: CompletionBody | ChatBody) -> None:
+    """`return_cached_tokens_details` with n > 1 is refused: the samples share a prefill made
+    first, so their own outcomes would say device hits for what the prefill computed."""
+    if body.return_cached_tokens_details and body.n > 1:
+        raise bad("return_cached_tokens_details needs n == 1", "return_cached_tokens_details")
+
+
 def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepared, list[str]]:
     """Each prompt's ids and params, and the text echoed in front of its choices."""
     p = body.prompt
@@ -101,6 +108,7 @@ def _prepare_completion(state: ServerState, body: CompletionBody) -> tuple[Prepa
     if not prompts:
         raise bad("the prompt is empty", "prompt")
     state.check_n(body.n, len(prompts))
+    _check_details(body)
     out = []
     for i, pr in enumerate(prompts):
         ids = state.tokenize(pr, "prompt" if len(prompts) == 1 else f"prompt.{i}",
@@ -159,6 +167,7 @@ def _prepare_chat(state: ServerState, body: ChatBody) -> Prepared:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     state.check_n(body.n, 1)
+    _check_details(body)
     ids = _chat_prompt(state, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -208,12 +217,6 @@ def _usage_chunk(head: dict[str, Any], prepared: Prepared, n: int, finals: dict[
     done = [finals[i] for i in sorted(finals)]
     return {**head, "choices": [], "usage": _usage(prepared, n, done, cached, details)}
 
-
-def _check_details(body: CompletionBody | ChatBody) -> None:
-    """`return_cached_tokens_details` with n > 1 is refused: the samples share a prefill made
-    first, so their own outcomes would say device hits for what the prefill computed."""
-    if body.return_cached_tokens_details and body.n > 1:
-        raise bad("return_cached_tokens_details needs n == 1", "return_cached_tokens_details")
 
 
 async def _completed(request: Request, gens: list[Generation]) -> list[Update]:
@@ -286,7 +289,6 @@ def register(app: FastAPI, state: ServerState) -> None:
         assert got is not None
         prepared, echoes = got
         n = body.n
-        _check_details(body)
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
                                      OP.completion_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "cmpl", gens), int(time.time())
@@ -348,7 +350,6 @@ def register(app: FastAPI, state: ServerState) -> None:
         body, prepared = await state.parse(request, ChatBody, lambda b: _prepare_chat(state, b))
         assert prepared is not None
         n = body.n
-        _check_details(body)
         gens, cached = await _launch(state, prepared, n, _cache_key(body),
                                      OP.chat_logprobs(body), cache_hints(body))
         cid, created = _response_id(body, "chatcmpl", gens), int(time.time())
