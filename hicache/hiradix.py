@@ -442,7 +442,11 @@ class HiRadixCache:
         st.host_hit_tokens += acq.host_hit_tokens
         st.storage_hit_tokens += acq.storage_hit_tokens
         if acq.outcomes is not None:
-            add_into(st.prompt_outcomes, complete(acq.outcomes, input_tokens))
+            # A block trace's last page may run past its prompt (Mooncake's partial blocks:
+            # hits the hit-rate tool caps, counted whole by the counters above): the
+            # attribution then covers every token looked up, as those counters do.
+            looked_up = sum(acq.outcomes.values())
+            add_into(st.prompt_outcomes, complete(acq.outcomes, max(input_tokens, looked_up)))
         if acq.storage_hit_tokens:
             st.storage_hit_requests += 1
         elif acq.host_hit_tokens:
