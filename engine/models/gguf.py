@@ -208,10 +208,9 @@ class GGUFModel:
             raise ConfigError(
                 f"{self.path}: the tokenizer metadata names model {self.tokenizer_model!r}; "
                 f"supported: {', '.join(TOKENIZER_MODELS)} (or give --tokenizer-path)")
-        for key in ("tokenizer.ggml.tokens",):
-            if key not in self.reader.fields:
-                raise ConfigError(f"{self.path}: no {key} in the tokenizer metadata "
-                                  "(give --tokenizer-path)")
+        if "tokenizer.ggml.tokens" not in self.reader.fields:
+            raise ConfigError(f"{self.path}: no tokenizer.ggml.tokens in the tokenizer metadata "
+                              "(give --tokenizer-path)")
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -332,16 +331,13 @@ class GGUFModel:
             if rows.start % per_head or rows.stop % per_head:
                 raise ConfigError(f"{name}: rows {rows} split a head of {per_head} rows")
         if len(shape) == 1:
-            part = np.asarray(data[rows], dtype=np.float32) if t.tensor_type.name == "F32" \
-                else gguf.quants.dequantize(np.asarray(data), t.tensor_type)[rows]
-        else:
+            part = gguf.quants.dequantize(np.asarray(data), t.tensor_type)[rows]
+        else:  # rows of blocks: a row slice dequantizes only those rows
             raw = np.asarray(data).reshape(shape[0], -1)[rows]
-            if t.tensor_type.name == "F32":
-                part = raw.view(np.float32).reshape(-1, shape[1])
-            else:
-                part = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1, shape[1])
+            part = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1, shape[1])
         part = np.array(part, dtype=np.float32, order="C")  # a copy: `data` maps the file
-        if part.shape[-1] != shape[-1] or (len(shape) > 1 and part.shape[0] != rows.stop - rows.start):
+        if part.shape[-1] != shape[-1] or (
+                len(shape) > 1 and part.shape[0] != rows.stop - rows.start):
             raise ConfigError(f"{self.path}: tensor {t.name!r} decodes to {part.shape}, "
                               f"expected {shape}")
         if not np.isfinite(part).all():
